@@ -1,0 +1,2 @@
+//! kinfctl: the operator CLI.
+fn main() {}

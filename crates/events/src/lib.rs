@@ -1,0 +1,1 @@
+//! Live KV-event subscription per replica (edge crate: sockets and tokio live here).

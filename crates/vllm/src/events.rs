@@ -1,0 +1,98 @@
+//! KV-event data types, mirroring `vllm/distributed/kv_events.py` (0.34) field for field.
+//!
+//! These are plain values; the msgpack codec lives in `events/codec.rs`. Optional fields keep
+//! the distinction between "absent" and "present" only where vLLM's encoder does (see the codec),
+//! so a decoded 0.34 batch re-encodes to the same bytes.
+
+use crate::ids::{BlockHash, Tier};
+
+/// A block hash as it appears on the wire: an integer (default) or raw digest bytes
+/// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum HashValue {
+    Int(u64),
+    Bytes(Vec<u8>),
+}
+
+impl HashValue {
+    /// The index key: the integer itself, or the last 8 bytes of a byte digest.
+    pub fn block_hash(&self) -> BlockHash {
+        match self {
+            HashValue::Int(v) => BlockHash(*v),
+            HashValue::Bytes(b) => BlockHash::from_digest(b),
+        }
+    }
+}
+
+/// One element of an event's extra-keys tuple (LoRA name, multimodal identifier and offset,
+/// cache salt, ...). vLLM sends tuples of strings and integers; other msgpack scalars are kept
+/// so that nothing decoded is lost.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ExtraKeyItem {
+    Nil,
+    Bool(bool),
+    Int(i64),
+    UInt(u64),
+    Float(f64),
+    Str(String),
+    Bytes(Vec<u8>),
+    Array(Vec<ExtraKeyItem>),
+}
+
+/// `BlockStored`: blocks that became full (and so hashable) in one engine step.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct BlockStored {
+    pub block_hashes: Vec<HashValue>,
+    pub parent_block_hash: Option<HashValue>,
+    pub token_ids: Vec<u32>,
+    pub block_size: u32,
+    pub lora_id: Option<i64>,
+    pub medium: Option<String>,
+    pub lora_name: Option<String>,
+    /// One entry per block; `None` for a block without extra keys.
+    pub extra_keys: Option<Vec<Option<Vec<ExtraKeyItem>>>>,
+    pub group_idx: Option<u32>,
+    pub kv_cache_spec_kind: Option<String>,
+    pub kv_cache_spec_sliding_window: Option<u32>,
+    pub locality: Option<String>,
+    pub ownership: Option<String>,
+    pub session_id: Option<String>,
+    pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
+}
+
+/// `BlockRemoved`: one per evicted hash in practice, but a list on the wire.
+#[derive(Clone, Debug, PartialEq, Default)]
+pub struct BlockRemoved {
+    pub block_hashes: Vec<HashValue>,
+    pub medium: Option<String>,
+    pub group_idx: Option<u32>,
+    pub locality: Option<String>,
+    pub ownership: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum KvEvent {
+    BlockStored(BlockStored),
+    BlockRemoved(BlockRemoved),
+    AllBlocksCleared,
+}
+
+/// One engine step's events: `[ts, events, data_parallel_rank]` on the wire.
+#[derive(Clone, Debug, PartialEq)]
+pub struct KvEventBatch {
+    pub ts: f64,
+    pub events: Vec<KvEvent>,
+    pub data_parallel_rank: Option<i64>,
+}
+
+impl BlockStored {
+    pub fn tier(&self) -> Option<Tier> {
+        Tier::from_medium(self.medium.as_deref())
+    }
+}
+
+impl BlockRemoved {
+    pub fn tier(&self) -> Option<Tier> {
+        Tier::from_medium(self.medium.as_deref())
+    }
+}
