@@ -6,6 +6,9 @@
 
 use crate::ids::{BlockHash, Tier};
 
+pub mod codec;
+pub mod frames;
+
 /// A block hash as it appears on the wire: an integer (default) or raw digest bytes
 /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -39,6 +42,23 @@ pub enum ExtraKeyItem {
     Array(Vec<ExtraKeyItem>),
 }
 
+/// The msgpack map header width a `BlockStored` event is written with.
+///
+/// msgspec sizes a struct's map header by the number of fields the class *could* write (its
+/// fields plus the `type` tag), not by how many it does write. vLLM 0.34's `BlockStored` has 15
+/// fields, so 16 possible keys: a map16 header (`0xde 0x00 N`) even for ten entries. Earlier
+/// map-layout classes with at most 14 fields — vLLM 0.32's, as the real captures show — get a
+/// fixmap header. The codec keeps this so a decoded payload re-encodes to the same bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum MapHeader {
+    /// map16 header, as vLLM 0.34 writes (the encoder's default).
+    #[default]
+    Map16,
+    /// fixmap header, as map-layout vLLM before 0.34 (0.32 captured) wrote. The encoder falls
+    /// back to map16 when an event has more than 15 entries, which a fixmap cannot hold.
+    FixMap,
+}
+
 /// `BlockStored`: blocks that became full (and so hashable) in one engine step.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct BlockStored {
@@ -58,6 +78,8 @@ pub struct BlockStored {
     pub ownership: Option<String>,
     pub session_id: Option<String>,
     pub lookahead_token_ids: Option<Vec<Vec<u32>>>,
+    /// Wire detail kept for byte-exact re-encoding; carries no meaning for the index.
+    pub map_header: MapHeader,
 }
 
 /// `BlockRemoved`: one per evicted hash in practice, but a list on the wire.

@@ -5,7 +5,19 @@
 //! last 8 bytes of the digest read big-endian. Nothing here does I/O or needs an async runtime.
 
 pub mod events;
+pub mod hashing;
 pub mod ids;
 
-pub use events::{BlockRemoved, BlockStored, HashValue, KvEvent, KvEventBatch};
+pub use events::codec::{
+    decode_batch, decode_batch_with_stats, encode_batch, encode_batch_into, DecodeError,
+    DecodeStats,
+};
+pub use events::frames::{parse_live, parse_replay, FrameError, LiveMessage, ReplayFrame};
+pub use events::{
+    BlockRemoved, BlockStored, ExtraKeyItem, HashValue, KvEvent, KvEventBatch, MapHeader,
+};
+pub use hashing::{
+    BlockDigest, BlockHasher, EventHashForm, ExtraKeysFormat, HashAlgo, HashError, Lora, MmItem,
+    RequestExtras,
+};
 pub use ids::{BlockHash, DpRank, GroupIdx, Tier};
