@@ -1,0 +1,354 @@
+//! Typed configuration of the event plane and of each worker's stream, plus vLLM's endpoint rules.
+//!
+//! Invariant: a [`WorkerConfig`] carries the replica's *base* endpoints (what the operator gave
+//! vLLM for all ranks); [`WorkerConfig::events_endpoint`] and [`WorkerConfig::replay_endpoint`]
+//! apply vLLM's per-rank offset, so DP rank r of a tcp endpoint always uses port base + r.
+
+use std::time::Duration;
+
+use kinference_index::{ReplicaId, WorkerId};
+use kinference_vllm::DpRank;
+
+use crate::backoff::BackoffConfig;
+use crate::error::EventsError;
+
+/// How this subscriber's SUB socket meets the publisher.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SocketMode {
+    /// The publisher binds (vLLM endpoint like `tcp://*:5557`); we dial `address`.
+    Connect,
+    /// The publisher connects to us (vLLM endpoint like `tcp://10.0.0.9:5557`); we bind `address`.
+    Bind,
+    /// Apply vLLM's rule to the endpoint the publisher was configured with: if the publisher
+    /// binds we connect, otherwise we bind.
+    Auto {
+        /// The `endpoint` from the replica's `--kv-events-config` (the publisher's own view,
+        /// e.g. `tcp://*:5557`; never dialled as such).
+        publisher_endpoint: String,
+    },
+}
+
+impl SocketMode {
+    /// Whether our SUB socket binds (true) or connects (false).
+    pub fn binds(&self) -> bool {
+        match self {
+            SocketMode::Connect => false,
+            SocketMode::Bind => true,
+            SocketMode::Auto { publisher_endpoint } => !publisher_binds(publisher_endpoint),
+        }
+    }
+}
+
+/// vLLM's rule (`ZmqEventPublisher._socket_setup`): the PUB binds if the endpoint contains `*`
+/// or `::` or starts with `ipc://` or `inproc://`; otherwise it connects.
+pub fn publisher_binds(endpoint: &str) -> bool {
+    endpoint.contains('*')
+        || endpoint.contains("::")
+        || endpoint.starts_with("ipc://")
+        || endpoint.starts_with("inproc://")
+}
+
+/// vLLM's `offset_endpoint_port`: rank 0 keeps the endpoint; tcp adds the rank to the port;
+/// inproc appends `_dp{rank}`; anything else with a rank above 0 is an error, as in vLLM.
+pub fn offset_endpoint(endpoint: &str, rank: DpRank) -> Result<String, EventsError> {
+    if rank.0 == 0 {
+        return Ok(endpoint.to_owned());
+    }
+    if endpoint.contains("inproc") {
+        return Ok(format!("{endpoint}_dp{}", rank.0));
+    }
+    if endpoint.contains("tcp") {
+        let bad = || EventsError::Endpoint {
+            endpoint: endpoint.to_owned(),
+            reason: "DP rank > 0 needs a tcp endpoint with a fixed numeric base port".into(),
+        };
+        let (base, port) = endpoint.rsplit_once(':').ok_or_else(bad)?;
+        let port: u32 = port.parse().map_err(|_| bad())?;
+        if port == 0 {
+            // An ephemeral port has no base to add the rank to.
+            return Err(bad());
+        }
+        let port = port
+            .checked_add(rank.0)
+            .filter(|p| *p <= u32::from(u16::MAX))
+            .ok_or_else(bad)?;
+        return Ok(format!("{base}:{port}"));
+    }
+    Err(EventsError::Endpoint {
+        endpoint: endpoint.to_owned(),
+        reason: "only tcp and inproc endpoints can be offset by DP rank".into(),
+    })
+}
+
+/// One (replica, DP rank) event stream.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WorkerConfig {
+    pub replica: ReplicaId,
+    pub dp_rank: DpRank,
+    /// Base address of the event stream for the whole replica (rank offset applied later):
+    /// dialled in connect mode, bound in bind mode. `tcp://HOST:0` binds an ephemeral port
+    /// (rank 0 only); the bound endpoint is reported in [`crate::WorkerHealth::local_endpoint`].
+    pub address: String,
+    pub mode: SocketMode,
+    /// Base address of the publisher's replay ROUTER to dial; `None` disables replay, so every
+    /// gap is unrecoverable.
+    pub replay: Option<String>,
+    /// Subscription topic (vLLM's `topic`, default empty). Non-empty topics must match frame 0
+    /// exactly; an empty topic accepts any.
+    pub topic: String,
+}
+
+impl WorkerConfig {
+    fn new(replica: ReplicaId, dp_rank: DpRank, address: &str, mode: SocketMode) -> Self {
+        WorkerConfig {
+            replica,
+            dp_rank,
+            address: address.to_owned(),
+            mode,
+            replay: None,
+            topic: String::new(),
+        }
+    }
+
+    /// The publisher connects to `address`; we bind it (vLLM endpoint `tcp://HOST:PORT`).
+    pub fn bind(replica: ReplicaId, dp_rank: DpRank, address: &str) -> Self {
+        Self::new(replica, dp_rank, address, SocketMode::Bind)
+    }
+
+    /// The publisher binds (vLLM endpoint `tcp://*:PORT`); we dial `address`.
+    pub fn connect(replica: ReplicaId, dp_rank: DpRank, address: &str) -> Self {
+        Self::new(replica, dp_rank, address, SocketMode::Connect)
+    }
+
+    /// vLLM's rule applied to `publisher_endpoint` decides; `address` is what we dial or bind.
+    pub fn auto(
+        replica: ReplicaId,
+        dp_rank: DpRank,
+        address: &str,
+        publisher_endpoint: &str,
+    ) -> Self {
+        let mode = SocketMode::Auto {
+            publisher_endpoint: publisher_endpoint.to_owned(),
+        };
+        Self::new(replica, dp_rank, address, mode)
+    }
+
+    pub fn with_replay(mut self, replay_address: &str) -> Self {
+        self.replay = Some(replay_address.to_owned());
+        self
+    }
+
+    pub fn with_topic(mut self, topic: &str) -> Self {
+        self.topic = topic.to_owned();
+        self
+    }
+
+    pub fn worker_id(&self) -> WorkerId {
+        WorkerId {
+            replica: self.replica,
+            rank: self.dp_rank,
+        }
+    }
+
+    /// The event endpoint of this rank (base offset by the DP rank).
+    pub fn events_endpoint(&self) -> Result<String, EventsError> {
+        offset_endpoint(&self.address, self.dp_rank)
+    }
+
+    /// The replay endpoint of this rank, if replay is configured.
+    pub fn replay_endpoint(&self) -> Result<Option<String>, EventsError> {
+        self.replay
+            .as_deref()
+            .map(|r| offset_endpoint(r, self.dp_rank))
+            .transpose()
+    }
+
+    /// Checks everything that can be checked before opening sockets.
+    pub fn validate(&self) -> Result<(), EventsError> {
+        for endpoint in std::iter::once(self.events_endpoint()?).chain(self.replay_endpoint()?) {
+            // The zeromq build here carries the tcp transport only; inproc is not reachable
+            // from another process anyway.
+            if !endpoint.starts_with("tcp://") {
+                return Err(EventsError::Endpoint {
+                    endpoint,
+                    reason: "expected a tcp:// endpoint".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// All DP ranks of one replica, as configured by one `--kv-events-config`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReplicaConfig {
+    /// Template for every rank; its `dp_rank` is ignored.
+    pub base: WorkerConfig,
+    /// Number of DP ranks (vLLM's `data_parallel_size`); ranks 0..dp_size.
+    pub dp_size: u32,
+}
+
+impl ReplicaConfig {
+    pub fn workers(&self) -> Vec<WorkerConfig> {
+        (0..self.dp_size)
+            .map(|r| WorkerConfig {
+                dp_rank: DpRank(r),
+                ..self.base.clone()
+            })
+            .collect()
+    }
+}
+
+/// Plane-wide settings. Every duration is wall-clock time on tokio's clock.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EventPlaneConfig {
+    /// Capacity (updates) of the channel from subscribers to the index writer.
+    pub channel_capacity: usize,
+    /// Most updates applied per write-lock hold.
+    pub writer_batch_max: usize,
+    /// Capacity (messages) between a socket reader and its subscriber task.
+    pub reader_capacity: usize,
+    /// Most live messages buffered while a replay runs; beyond it the replay is abandoned and
+    /// the gap treated as unrecoverable.
+    pub replay_buffer_max: usize,
+    /// Time to establish a replay DEALER connection.
+    pub replay_connect_timeout: Duration,
+    /// Longest wait for the next replay reply message (the whole reply may take longer).
+    pub replay_idle_timeout: Duration,
+    /// Upper bound on one whole replay.
+    pub replay_total_timeout: Duration,
+    /// Time for one connect attempt of the SUB socket.
+    pub connect_timeout: Duration,
+    /// Replay attempts per gap before it is declared unrecoverable.
+    pub replay_attempts: u32,
+    /// Retry pacing after socket errors and failed replays.
+    pub backoff: BackoffConfig,
+}
+
+impl Default for EventPlaneConfig {
+    fn default() -> Self {
+        EventPlaneConfig {
+            channel_capacity: 1024,
+            writer_batch_max: 256,
+            reader_capacity: 4096,
+            replay_buffer_max: 100_000,
+            replay_connect_timeout: Duration::from_secs(2),
+            replay_idle_timeout: Duration::from_secs(2),
+            replay_total_timeout: Duration::from_secs(30),
+            connect_timeout: Duration::from_secs(5),
+            replay_attempts: 2,
+            backoff: BackoffConfig::default(),
+        }
+    }
+}
+
+impl EventPlaneConfig {
+    /// Reports every invalid field at once.
+    pub fn validate(&self) -> Result<(), EventsError> {
+        let mut problems = Vec::new();
+        let positive = [
+            ("channel_capacity", self.channel_capacity),
+            ("writer_batch_max", self.writer_batch_max),
+            ("reader_capacity", self.reader_capacity),
+            ("replay_buffer_max", self.replay_buffer_max),
+        ];
+        for (name, value) in positive {
+            if value == 0 {
+                problems.push(format!("{name} must be > 0"));
+            }
+        }
+        let durations = [
+            ("replay_connect_timeout", self.replay_connect_timeout),
+            ("replay_idle_timeout", self.replay_idle_timeout),
+            ("replay_total_timeout", self.replay_total_timeout),
+            ("connect_timeout", self.connect_timeout),
+        ];
+        for (name, value) in durations {
+            if value.is_zero() {
+                problems.push(format!("{name} must be > 0"));
+            }
+        }
+        problems.extend(self.backoff.problems());
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(EventsError::Config(problems.join("; ")))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vllm_bind_rule() {
+        assert!(publisher_binds("tcp://*:5557"));
+        assert!(publisher_binds("tcp://[::]:5557"));
+        assert!(publisher_binds("ipc:///tmp/kv"));
+        assert!(publisher_binds("inproc://kv"));
+        assert!(!publisher_binds("tcp://127.0.0.1:5557"));
+        assert!(!SocketMode::Auto {
+            publisher_endpoint: "tcp://*:5557".into()
+        }
+        .binds());
+        assert!(SocketMode::Auto {
+            publisher_endpoint: "tcp://10.0.0.9:5557".into()
+        }
+        .binds());
+    }
+
+    #[test]
+    fn rank_offsets_like_vllm() {
+        let r = |n| DpRank(n);
+        assert_eq!(
+            offset_endpoint("tcp://h:5557", r(0)).unwrap(),
+            "tcp://h:5557"
+        );
+        assert_eq!(
+            offset_endpoint("tcp://h:5557", r(3)).unwrap(),
+            "tcp://h:5560"
+        );
+        assert_eq!(
+            offset_endpoint("inproc://kv", r(2)).unwrap(),
+            "inproc://kv_dp2"
+        );
+        assert!(offset_endpoint("ipc:///tmp/kv", r(1)).is_err());
+        assert!(offset_endpoint("tcp://h:port", r(1)).is_err());
+        assert!(offset_endpoint("tcp://h:65535", r(1)).is_err());
+        assert!(offset_endpoint("tcp://h:0", r(1)).is_err());
+        assert_eq!(offset_endpoint("tcp://h:0", r(0)).unwrap(), "tcp://h:0");
+        assert_eq!(
+            offset_endpoint("ipc:///tmp/kv", r(0)).unwrap(),
+            "ipc:///tmp/kv"
+        );
+    }
+
+    #[test]
+    fn replica_expands_ranks() {
+        let base = WorkerConfig::connect(ReplicaId(7), DpRank(0), "tcp://h:6000")
+            .with_replay("tcp://h:7000");
+        let workers = ReplicaConfig { base, dp_size: 2 }.workers();
+        assert_eq!(workers.len(), 2);
+        assert_eq!(workers[1].events_endpoint().unwrap(), "tcp://h:6001");
+        assert_eq!(
+            workers[1].replay_endpoint().unwrap().unwrap(),
+            "tcp://h:7001"
+        );
+    }
+
+    #[test]
+    fn config_reports_every_problem() {
+        let cfg = EventPlaneConfig {
+            channel_capacity: 0,
+            connect_timeout: Duration::ZERO,
+            ..EventPlaneConfig::default()
+        };
+        let err = cfg.validate().unwrap_err().to_string();
+        assert!(
+            err.contains("channel_capacity") && err.contains("connect_timeout"),
+            "{err}"
+        );
+        assert!(EventPlaneConfig::default().validate().is_ok());
+    }
+}

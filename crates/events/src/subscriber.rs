@@ -1,0 +1,532 @@
+//! The subscriber task of one (replica, DP rank): sequence tracking, replay, resync.
+//!
+//! Invariants:
+//! - Updates for the worker leave this task in stream order; a message is applied at most once
+//!   (the [`Sequencer`] decides, replayed and buffered live copies of it are skipped).
+//! - While a gap is being filled the worker is `Stale`; live messages arriving meanwhile are
+//!   buffered (at most `replay_buffer_max`) and handled after the replay, in arrival order.
+//! - A gap replay cannot fill, or a publisher restart, clears the worker in the index before
+//!   anything newer is applied, so the index never mixes two incompatible histories.
+//! - The sync state the index reaches is published by the writer when it applies the update
+//!   carrying it, tagged with the stale epoch current when it was sent.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use kinference_index::WorkerId;
+use kinference_vllm::events::codec::decode_batch;
+use kinference_vllm::KvEvent;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::backoff::Backoff;
+use crate::config::EventPlaneConfig;
+use crate::error::EventsError;
+use crate::health::{SyncState, WorkerHealth};
+use crate::sequencer::{Live, Replayed, Sequencer};
+use crate::transport::{self, ReaderEvent, ReplayConn, SubStream};
+use crate::wire::{self, ReplayFrame, SeqMsg, WireError};
+use crate::writer::{Envelope, Update};
+
+/// The task was cancelled or the index writer is gone: unwind quietly.
+#[derive(Debug)]
+pub(crate) struct Stop;
+
+type Flow<T = ()> = Result<T, Stop>;
+
+/// A sequence-numbered message; `payload` is `None` when its frames were unreadable.
+#[derive(Debug)]
+struct Incoming {
+    seq: u64,
+    payload: Option<Bytes>,
+}
+
+/// Why a replay is needed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Resolve {
+    /// Messages are missing before the trigger.
+    Gap,
+    /// Nothing is missing, but the publisher reconnected and may be a new instance.
+    Verify,
+}
+
+/// How a replay fetch ended.
+#[derive(Debug)]
+enum FetchEnd {
+    /// The end marker arrived: the publisher sent all it still had.
+    Complete,
+    /// Connection, send, receive or timeout failure.
+    Failed(EventsError),
+    /// Too many live messages piled up while waiting.
+    Overflow,
+}
+
+/// Everything a subscriber needs, fixed at spawn time.
+#[derive(Debug)]
+pub(crate) struct SubscriberSpec {
+    pub worker: WorkerId,
+    pub topic: String,
+    pub endpoint: String,
+    pub replay: Option<String>,
+    pub plane: Arc<EventPlaneConfig>,
+    pub health: Arc<watch::Sender<WorkerHealth>>,
+    pub writer: mpsc::Sender<Envelope>,
+    pub cancel: CancellationToken,
+    pub seed: u64,
+}
+
+pub(crate) struct Subscriber {
+    spec: SubscriberSpec,
+    rx: mpsc::Receiver<ReaderEvent>,
+    seq: Sequencer,
+    /// The sync state the index reaches once everything sent so far is applied.
+    target: SyncState,
+    /// The stale epoch of the last stale mark (mirrors the health's).
+    epoch: u64,
+    /// A gap is being filled: updates carry no sync change until it is closed.
+    resolving: bool,
+    pending: VecDeque<Incoming>,
+    peers: u32,
+    /// A publisher connection closed since the last message.
+    lost_peer: bool,
+    /// The next in-order message follows a reconnection: prove through the replay overlap
+    /// that the publisher is the same instance before trusting it.
+    verify_next: bool,
+}
+
+/// Runs one worker's subscription until cancelled. `opened` is the already bound socket in
+/// bind mode (so that bind errors reach the caller); in connect mode the task dials itself.
+pub(crate) async fn run(spec: SubscriberSpec, opened: Option<SubStream>) {
+    let stream = match opened {
+        Some(s) => s,
+        None => match connect(&spec).await {
+            Ok(s) => s,
+            Err(Stop) => return,
+        },
+    };
+    let (tx, rx) = mpsc::channel(spec.plane.reader_capacity);
+    let reader_cancel = spec.cancel.child_token();
+    let reader = tokio::spawn(transport::run_reader(
+        stream,
+        tx,
+        spec.plane.backoff.clone(),
+        spec.seed,
+        reader_cancel.clone(),
+    ));
+    let mut sub = Subscriber {
+        spec,
+        rx,
+        seq: Sequencer::default(),
+        target: SyncState::Connecting,
+        epoch: 0,
+        resolving: false,
+        pending: VecDeque::new(),
+        peers: 0,
+        lost_peer: false,
+        verify_next: false,
+    };
+    let _ = sub.main_loop().await;
+    reader_cancel.cancel();
+    let _ = reader.await;
+    sub.spec.health.send_modify(|h| h.connected = false);
+    tracing::debug!(worker = ?sub.spec.worker, "subscriber stopped");
+}
+
+/// Dials the publisher with capped, jittered backoff until it answers or the task is cancelled.
+async fn connect(spec: &SubscriberSpec) -> Flow<SubStream> {
+    let mut backoff = Backoff::new(spec.plane.backoff.clone(), spec.seed);
+    loop {
+        let attempt = transport::open_sub(
+            &spec.endpoint,
+            false,
+            &spec.topic,
+            spec.plane.connect_timeout,
+        );
+        let result = tokio::select! {
+            biased;
+            _ = spec.cancel.cancelled() => return Err(Stop),
+            r = attempt => r,
+        };
+        match result {
+            Ok(stream) => return Ok(stream),
+            Err(e) => {
+                spec.health.send_modify(|h| h.socket_errors += 1);
+                tracing::warn!(worker = ?spec.worker, endpoint = %spec.endpoint, error = %e,
+                    "event stream connect failed; retrying");
+            }
+        }
+        tokio::select! {
+            biased;
+            _ = spec.cancel.cancelled() => return Err(Stop),
+            _ = backoff.wait() => {}
+        }
+    }
+}
+
+impl Subscriber {
+    async fn main_loop(&mut self) -> Flow {
+        loop {
+            let msg = match self.pending.pop_front() {
+                Some(m) => m,
+                None => self.next_live().await?,
+            };
+            self.on_live(msg).await?;
+        }
+    }
+
+    async fn next_live(&mut self) -> Flow<Incoming> {
+        loop {
+            let event = tokio::select! {
+                biased;
+                _ = self.spec.cancel.cancelled() => return Err(Stop),
+                ev = self.rx.recv() => ev.ok_or(Stop)?,
+            };
+            if let Some(msg) = self.on_reader_event(event) {
+                return Ok(msg);
+            }
+        }
+    }
+
+    /// Books what the reader saw; returns a message that carries a sequence number.
+    fn on_reader_event(&mut self, event: ReaderEvent) -> Option<Incoming> {
+        match event {
+            ReaderEvent::Message(frames) => self.on_frames(&frames),
+            ReaderEvent::PeerUp => {
+                self.peers = self.peers.saturating_add(1);
+                if std::mem::take(&mut self.lost_peer) {
+                    self.verify_next = true;
+                }
+                self.spec.health.send_modify(|h| h.connected = true);
+                None
+            }
+            ReaderEvent::PeerDown => {
+                self.peers = self.peers.saturating_sub(1);
+                self.lost_peer = true;
+                let connected = self.peers > 0;
+                self.spec.health.send_modify(|h| h.connected = connected);
+                None
+            }
+            ReaderEvent::Error(e) => {
+                tracing::warn!(worker = ?self.spec.worker, error = %e, "event socket error");
+                self.spec.health.send_modify(|h| h.socket_errors += 1);
+                None
+            }
+        }
+    }
+
+    fn on_frames(&mut self, frames: &[Bytes]) -> Option<Incoming> {
+        let now = Instant::now();
+        let parsed = wire::parse_live(frames, &self.spec.topic);
+        let seq = match &parsed {
+            Ok(m) => Some(m.seq),
+            Err(e) => e.seq,
+        };
+        self.spec.health.send_modify(|h| {
+            h.messages += 1;
+            h.last_event_at = Some(now);
+            if seq.is_some() {
+                h.last_seq = seq;
+            }
+            if parsed.is_err() {
+                h.decode_errors += 1;
+            }
+        });
+        match parsed {
+            Ok(SeqMsg { seq, payload }) => Some(Incoming {
+                seq,
+                payload: Some(payload),
+            }),
+            Err(WireError { seq, reason }) => {
+                tracing::warn!(worker = ?self.spec.worker, ?seq, %reason,
+                    "skipping unreadable event message");
+                seq.map(|seq| Incoming { seq, payload: None })
+            }
+        }
+    }
+
+    async fn on_live(&mut self, msg: Incoming) -> Flow {
+        let verify = std::mem::take(&mut self.verify_next);
+        match self.seq.classify_live(msg.seq) {
+            // After a reconnection a restarted engine may continue exactly where the old one
+            // stopped; only the content of the last accepted message can tell.
+            Live::Apply if verify && !self.seq.is_fresh() && self.spec.replay.is_some() => {
+                self.resolve(msg, Resolve::Verify).await
+            }
+            Live::Apply => self.apply(msg, false).await,
+            Live::Duplicate => Ok(()),
+            Live::Gap { .. } => self.resolve(msg, Resolve::Gap).await,
+            Live::Reset => {
+                self.reset(msg.seq).await?;
+                match self.seq.classify_live(msg.seq) {
+                    Live::Apply => self.apply(msg, false).await,
+                    _ => self.resolve(msg, Resolve::Gap).await,
+                }
+            }
+        }
+    }
+
+    /// Accepts `msg` as the next of the stream and sends its batch to the index.
+    async fn apply(&mut self, msg: Incoming, replayed: bool) -> Flow {
+        if self.seq.is_fresh() && msg.seq == 0 {
+            // The first message of a publisher instance: its cache started empty.
+            self.target = SyncState::Synced;
+        }
+        self.seq.accept(msg.seq, msg.payload.clone());
+        let Some(payload) = msg.payload else {
+            return Ok(());
+        };
+        let batch = match decode_batch(&payload) {
+            Ok(batch) => batch,
+            Err(e) => {
+                tracing::warn!(worker = ?self.spec.worker, seq = msg.seq, error = %e,
+                    label = e.metric_label(), "skipping undecodable event batch");
+                self.spec.health.send_modify(|h| h.decode_errors += 1);
+                return Ok(());
+            }
+        };
+        let cleared = batch
+            .events
+            .iter()
+            .any(|e| matches!(e, KvEvent::AllBlocksCleared));
+        if cleared && self.target == SyncState::Resynced {
+            self.target = SyncState::Synced;
+        }
+        let update = Update::Batch {
+            seq: msg.seq,
+            batch,
+        };
+        self.send(update, replayed).await
+    }
+
+    async fn send(&mut self, update: Update, replayed: bool) -> Flow {
+        let mut env = Envelope::new(self.spec.worker, Some(update));
+        env.health = Some(self.spec.health.clone());
+        env.replayed = replayed;
+        if !self.resolving {
+            env.sync_after = Some((self.target, self.epoch));
+        }
+        tokio::select! {
+            biased;
+            _ = self.spec.cancel.cancelled() => Err(Stop),
+            r = self.spec.writer.send(env) => r.map_err(|_| Stop),
+        }
+    }
+
+    fn mark_stale(&mut self) {
+        let mut epoch = 0;
+        self.spec.health.send_modify(|h| epoch = h.mark_stale());
+        self.epoch = epoch;
+    }
+
+    /// The publisher restarted: clear the worker and treat what follows as a new stream.
+    async fn reset(&mut self, seq: u64) -> Flow {
+        tracing::warn!(worker = ?self.spec.worker, seq, next = ?self.seq.next(),
+            "event stream restarted; clearing worker");
+        self.spec.health.send_modify(|h| h.resets += 1);
+        self.mark_stale();
+        self.seq.reset();
+        self.target = SyncState::Connecting;
+        self.send(Update::ClearWorker, false).await
+    }
+
+    /// Gives up on the messages before `resume_at`: clear the worker and continue from there.
+    async fn unrecoverable(&mut self, resume_at: u64) -> Flow {
+        tracing::warn!(worker = ?self.spec.worker, missing_from = ?self.seq.next(), resume_at,
+            "event gap cannot be replayed; clearing worker");
+        self.spec.health.send_modify(|h| h.unrecoverable_gaps += 1);
+        self.mark_stale();
+        self.seq.resync_at(resume_at);
+        self.target = SyncState::Resynced;
+        self.send(Update::ClearWorker, false).await
+    }
+
+    /// `trigger` arrived ahead of the expected sequence number (or needs verifying): replay
+    /// what is missing, then apply `trigger` unless the replay already delivered it.
+    async fn resolve(&mut self, trigger: Incoming, why: Resolve) -> Flow {
+        tracing::info!(worker = ?self.spec.worker, seq = trigger.seq, next = ?self.seq.next(),
+            ?why, "replaying");
+        if why == Resolve::Gap {
+            self.spec.health.send_modify(|h| h.gaps += 1);
+        }
+        self.mark_stale();
+        self.resolving = true;
+        let filled = self.fill(trigger.seq).await?;
+        if filled {
+            self.spec.health.send_modify(|h| h.replays_succeeded += 1);
+        }
+        if !self.reached(trigger.seq) {
+            self.unrecoverable(trigger.seq).await?;
+        }
+        self.resolving = false;
+        if self.seq.next() == Some(trigger.seq) {
+            self.apply(trigger, false).await
+        } else {
+            // The replay delivered it already; close the gap with a sync-only update.
+            self.send_sync().await
+        }
+    }
+
+    fn reached(&self, seq: u64) -> bool {
+        self.seq.next().is_some_and(|next| next >= seq)
+    }
+
+    async fn send_sync(&mut self) -> Flow {
+        let mut env = Envelope::new(self.spec.worker, None);
+        env.health = Some(self.spec.health.clone());
+        env.sync_after = Some((self.target, self.epoch));
+        tokio::select! {
+            biased;
+            _ = self.spec.cancel.cancelled() => Err(Stop),
+            r = self.spec.writer.send(env) => r.map_err(|_| Stop),
+        }
+    }
+
+    /// Replays until everything before `until` is accepted; returns whether that happened
+    /// without losing anything. Holes and restarts found on the way are handled here.
+    async fn fill(&mut self, until: u64) -> Flow<bool> {
+        let Some(endpoint) = self.spec.replay.clone() else {
+            return Ok(false);
+        };
+        let mut backoff = Backoff::new(self.spec.plane.backoff.clone(), self.spec.seed ^ until);
+        let epoch_before = self.epoch;
+        for attempt in 0..self.spec.plane.replay_attempts {
+            let from = self.seq.replay_start();
+            self.spec.health.send_modify(|h| h.replays_attempted += 1);
+            let (items, end) = self.fetch(&endpoint, from).await?;
+            let restarted = self.apply_replayed(items).await?;
+            if restarted {
+                self.reset(until).await?;
+                // `until` is the live message that started this gap: keep judging against it.
+                self.seq.note_live(until);
+                continue;
+            }
+            if self.reached(until) {
+                // Only a fill that needed no clear on the way counts as a success.
+                return Ok(self.epoch == epoch_before);
+            }
+            match end {
+                FetchEnd::Complete => return Ok(false),
+                FetchEnd::Overflow => {
+                    tracing::warn!(worker = ?self.spec.worker, "live buffer full during replay");
+                    return Ok(false);
+                }
+                FetchEnd::Failed(e) => {
+                    tracing::warn!(worker = ?self.spec.worker, %endpoint, from, attempt,
+                        error = %e, "replay failed");
+                }
+            }
+            self.wait_buffering(&mut backoff).await?;
+        }
+        Ok(false)
+    }
+
+    /// Applies replayed messages in order; returns true when the overlap shows a restart.
+    async fn apply_replayed(&mut self, items: Vec<Result<SeqMsg, WireError>>) -> Flow<bool> {
+        for item in items {
+            let msg = match item {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(worker = ?self.spec.worker, reason = %e.reason,
+                        "skipping unreadable replay message");
+                    self.spec.health.send_modify(|h| h.decode_errors += 1);
+                    continue;
+                }
+            };
+            let incoming = Incoming {
+                seq: msg.seq,
+                payload: Some(msg.payload.clone()),
+            };
+            match self.seq.classify_replayed(msg.seq, &msg.payload) {
+                Replayed::Skip => {}
+                Replayed::Apply => self.apply(incoming, true).await?,
+                Replayed::Mismatch => return Ok(true),
+                Replayed::Hole { .. } => {
+                    self.unrecoverable(msg.seq).await?;
+                    self.apply(incoming, true).await?;
+                }
+            }
+        }
+        Ok(false)
+    }
+
+    /// Fetches a replay from `from` while buffering live messages.
+    async fn fetch(
+        &mut self,
+        endpoint: &str,
+        from: u64,
+    ) -> Flow<(Vec<Result<SeqMsg, WireError>>, FetchEnd)> {
+        let plane = self.spec.plane.clone();
+        let mut items = Vec::new();
+        let end = {
+            let fetch = fetch_replay(endpoint, from, &plane, &mut items);
+            let fetch = tokio::time::timeout(plane.replay_total_timeout, fetch);
+            tokio::pin!(fetch);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = self.spec.cancel.cancelled() => return Err(Stop),
+                    r = &mut fetch => break match r {
+                        Ok(Ok(())) => FetchEnd::Complete,
+                        Ok(Err(e)) => FetchEnd::Failed(e),
+                        Err(_) => FetchEnd::Failed(EventsError::Timeout(plane.replay_total_timeout)),
+                    },
+                    ev = self.rx.recv() => {
+                        if self.buffer(ev.ok_or(Stop)?) {
+                            break FetchEnd::Overflow;
+                        }
+                    }
+                }
+            }
+        };
+        Ok((items, end))
+    }
+
+    /// Sleeps one backoff step while buffering live messages.
+    async fn wait_buffering(&mut self, backoff: &mut Backoff) -> Flow {
+        let sleep = tokio::time::sleep(backoff.next_delay());
+        tokio::pin!(sleep);
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.spec.cancel.cancelled() => return Err(Stop),
+                _ = &mut sleep => return Ok(()),
+                ev = self.rx.recv() => {
+                    if self.buffer(ev.ok_or(Stop)?) {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Buffers a live message during a replay; returns true when the buffer is full.
+    fn buffer(&mut self, event: ReaderEvent) -> bool {
+        if let Some(msg) = self.on_reader_event(event) {
+            self.pending.push_back(msg);
+        }
+        self.pending.len() >= self.spec.plane.replay_buffer_max
+    }
+}
+
+/// One replay exchange: connect, ask from `from`, collect replies until the end marker.
+async fn fetch_replay(
+    endpoint: &str,
+    from: u64,
+    plane: &EventPlaneConfig,
+    items: &mut Vec<Result<SeqMsg, WireError>>,
+) -> Result<(), EventsError> {
+    let mut conn = ReplayConn::connect(endpoint, plane.replay_connect_timeout).await?;
+    conn.request(from).await?;
+    loop {
+        let frames = tokio::time::timeout(plane.replay_idle_timeout, conn.recv())
+            .await
+            .map_err(|_| EventsError::Timeout(plane.replay_idle_timeout))??;
+        match wire::parse_replay(&frames) {
+            Ok(ReplayFrame::End) => return Ok(()),
+            Ok(ReplayFrame::Batch(m)) => items.push(Ok(m)),
+            Err(e) => items.push(Err(e)),
+        }
+    }
+}
