@@ -1,0 +1,161 @@
+//! A new turn of a long conversation: ~100k tokens of ShareGPT history (qwen3 and llama3
+//! tokenizers) plus ~1k new tokens, through the prefix cache, against full tokenization.
+//! Two different new turns alternate, so every iteration reuses the long prefix and encodes
+//! the new part (the cache holds the previous one, never the same text).
+//!
+//! Run: `cargo bench -p kinference-tokenize --bench prefix_cache`
+
+// Test code: a failed unwrap is a failed test with its message.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::io::Read;
+use std::path::Path;
+
+use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer};
+
+fn shared() -> std::path::PathBuf {
+    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
+    p.canonicalize().unwrap_or_else(|_| {
+        panic!(
+            "{} is missing (the benchmark reads real tokenizers)",
+            p.display()
+        )
+    })
+}
+
+fn content_text(m: &ChatMessage) -> String {
+    match &m.content {
+        Some(MessageContent::Text(t)) => t.clone(),
+        _ => String::new(),
+    }
+}
+
+fn sharegpt_texts() -> Vec<String> {
+    let path = shared().join("data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz");
+    let mut text = String::new();
+    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap())
+        .read_to_string(&mut text)
+        .unwrap();
+    text.lines()
+        .flat_map(|l| {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            v["conversations"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|t| t["value"].as_str().unwrap().to_string())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// History of about `tokens` tokens (alternating user/assistant), then two different new turns
+/// (an assistant reply and a user message, about 1k tokens together).
+fn conversations(
+    tok: &Tokenizer,
+    texts: &[String],
+    tokens: usize,
+) -> (ChatRequest, ChatRequest, ChatRequest) {
+    let mut msgs = vec![ChatMessage::text("system", "You are a helpful assistant.")];
+    let mut it = texts.iter();
+    let mut approx = 0;
+    while approx < tokens {
+        let t = it.next().unwrap();
+        let role = if msgs.len() % 2 == 1 {
+            "user"
+        } else {
+            "assistant"
+        };
+        approx += t.len() / 4;
+        msgs.push(ChatMessage::text(role, t));
+    }
+    if msgs.len() % 2 == 0 {
+        msgs.push(ChatMessage::text("user", "Go on."));
+    }
+    let base = ChatRequest::from_messages(msgs.clone());
+    let turn = |a: &str, b: &str| {
+        let mut m = msgs.clone();
+        m.push(ChatMessage::text("assistant", a));
+        m.push(ChatMessage::text("user", b));
+        ChatRequest::from_messages(m)
+    };
+    let new: Vec<&String> = it.filter(|t| t.len() > 2200).take(4).collect();
+    let cut = |s: &str| {
+        s.char_indices()
+            .nth(2000)
+            .map_or(s.to_string(), |(i, _)| s[..i].to_string())
+    };
+    let (b1, b2) = (
+        turn(&cut(new[0]), &cut(new[1])),
+        turn(&cut(new[2]), &cut(new[3])),
+    );
+    let n0 = tok.encode_chat(&base).unwrap().len();
+    let n1 = tok.encode_chat(&b1).unwrap().len();
+    let n2 = tok.encode_chat(&b2).unwrap().len();
+    println!(
+        "history {n0} tokens; new turns +{} / +{} tokens",
+        n1 - n0,
+        n2 - n0
+    );
+    (base, b1, b2)
+}
+
+fn bench(c: &mut Criterion) {
+    let texts = sharegpt_texts();
+    for name in ["qwen3", "llama3"] {
+        let tok = Tokenizer::from_dir(shared().join("data/tokenizers").join(name)).unwrap();
+        let (base, b1, b2) = conversations(&tok, &texts, 100_000);
+        let t1 = tok.render_chat(&b1).unwrap();
+        let mut g = c.benchmark_group(format!("{name}_100k_plus_1k"));
+        g.sample_size(50);
+
+        // The history is in the cache (as after serving turn N); each iteration serves a turn
+        // N+1 the cache has not seen (a counter in the new user message), so it reuses the
+        // history and encodes the new turn. Building the input is not timed.
+        tok.encode_chat(&base).unwrap();
+        let n = std::cell::Cell::new(0u64);
+        let fresh = |req: &ChatRequest| {
+            n.set(n.get() + 1);
+            let n = n.get();
+            let mut r = req.clone();
+            if let Some(last) = r.messages.last_mut() {
+                last.content = Some(MessageContent::Text(format!(
+                    "(turn {n}) {}",
+                    content_text(last)
+                )));
+            }
+            r
+        };
+        g.bench_function("encode_text_cached", |b| {
+            b.iter_batched(
+                || {
+                    tok.render_chat(&fresh(if n.get().is_multiple_of(2) { &b1 } else { &b2 }))
+                        .unwrap()
+                },
+                |text| tok.encode_text(&text, false).unwrap(),
+                BatchSize::LargeInput,
+            )
+        });
+        g.bench_function("encode_chat_cached", |b| {
+            b.iter_batched(
+                || fresh(if n.get().is_multiple_of(2) { &b1 } else { &b2 }),
+                |req| tok.encode_chat(&req).unwrap(),
+                BatchSize::LargeInput,
+            )
+        });
+        g.bench_function("render_chat", |b| b.iter(|| tok.render_chat(&b1).unwrap()));
+        g.bench_function("encode_chat_exact_repeat", |b| {
+            b.iter(|| tok.encode_chat(&b1).unwrap())
+        });
+        g.sample_size(10);
+        g.bench_function("encode_text_uncached", |b| {
+            b.iter(|| tok.encode_uncached(&t1, false).unwrap())
+        });
+        g.finish();
+        println!("{name}: {:?}", tok.cache_stats());
+    }
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -1,0 +1,342 @@
+//! Prefix-aware tokenization cache: a new turn of a long conversation costs only its new text.
+//!
+//! Each entry is a tokenized text (a rendered chat or a prompt) with its ids and split points
+//! (see [`crate::encoder`]). A new text is matched against the entries sharing its first bytes;
+//! with `L` the longest common prefix, tokenization restarts at the last split point `p` with
+//! `p + max_added_len + 4 <= L` (every match decision before `p` reads only shared bytes), so
+//! the result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`.
+//!
+//! ```text
+//!  cached:  |<s>system ...<eot>|<s>user ...<eot>|<s>assistant\n|            (turn N)
+//!  new:     |<s>system ...<eot>|<s>user ...<eot>|<s>assistant\n ... <eot>|<s>user ...|
+//!                                               ^p                ^L
+//!           ids reused ------------------------>| re-encoded ------------------------->
+//! ```
+//!
+//! Lookup: entries are indexed by keys of their first `256 * 4^k` bytes for every such length
+//! they cover; the deepest level the new text shares holds the best candidates, of which the
+//! most recent few are compared. Bounded: total
+//! bytes (text + ids + split points) stay under the capacity, least recently used entries go
+//! first, and each index bucket keeps its most recent entries only. Thread-safe: the lock is
+//! held for index updates only, never while comparing or encoding.
+
+use std::collections::hash_map::DefaultHasher;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::encoder::{Encoder, SplitPoint};
+use crate::error::Result;
+
+/// Texts shorter than this are encoded directly (cheap, and not worth an entry).
+const MIN_LEVEL: usize = 256;
+/// Entries kept per index bucket (texts sharing the same first bytes).
+const BUCKET_CAP: usize = 32;
+/// Most recent candidates compared per lookup (each comparison may scan the whole prefix).
+const CANDIDATES: usize = 4;
+/// Bytes an entry costs beyond its text, ids and split points.
+const ENTRY_OVERHEAD: usize = 256;
+
+/// Counters, for metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheStats {
+    /// Lookups that reused cached ids.
+    pub hits: u64,
+    /// Lookups that encoded the whole text.
+    pub misses: u64,
+    /// Bytes of text encoded on hits (the new part).
+    pub bytes_encoded_on_hits: u64,
+    /// Bytes of text whose ids were reused on hits.
+    pub bytes_reused: u64,
+    /// Entries now held.
+    pub entries: u64,
+    /// Bytes now held.
+    pub bytes: u64,
+    /// Entries evicted to stay under the capacity.
+    pub evictions: u64,
+}
+
+#[derive(Debug)]
+struct Entry {
+    text: Arc<str>,
+    ids: Vec<u32>,
+    splits: Vec<SplitPoint>,
+    /// Its index keys (see [`level_keys`]), kept so eviction need not recompute them.
+    keys: Vec<u64>,
+}
+
+impl Entry {
+    fn cost(&self) -> usize {
+        self.text.len() + self.ids.len() * 4 + self.splits.len() * 8 + ENTRY_OVERHEAD
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    entries: HashMap<u64, (Arc<Entry>, u64)>,
+    /// tick -> entry id, oldest first.
+    lru: BTreeMap<u64, u64>,
+    buckets: HashMap<u64, Vec<u64>>,
+    bytes: usize,
+    tick: u64,
+    next_id: u64,
+    stats: CacheStats,
+}
+
+/// The cache. Share it across threads by reference (it locks inside).
+#[derive(Debug)]
+pub struct PrefixCache {
+    capacity: usize,
+    inner: Mutex<Inner>,
+}
+
+impl PrefixCache {
+    /// A cache holding at most `capacity_bytes` (texts + ids + split points).
+    pub fn new(capacity_bytes: usize) -> Self {
+        PrefixCache {
+            capacity: capacity_bytes,
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        // A poisoned lock only means another thread panicked mid-update of plain maps; the
+        // data is still consistent enough to keep serving (worst case: a stale entry).
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> CacheStats {
+        let g = self.lock();
+        let mut s = g.stats;
+        s.entries = g.entries.len() as u64;
+        s.bytes = g.bytes as u64;
+        s
+    }
+
+    /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work.
+    pub(crate) fn encode(&self, enc: &Encoder, text: &str) -> Result<Vec<u32>> {
+        if !enc.split_safe || text.len() < MIN_LEVEL || self.capacity == 0 {
+            return enc.encode(text, false);
+        }
+        let keys = level_keys(text);
+        let found = self.best_match(text, &keys);
+        let (ids, splits, superseded) = match found {
+            Some((entry, id, lcp)) if lcp == text.len() && lcp == entry.text.len() => {
+                self.touch(id, 0, lcp);
+                return Ok(entry.ids.clone());
+            }
+            Some((entry, id, lcp)) => match restart_point(&entry, lcp, enc.max_added_len) {
+                Some(sp) => {
+                    let (mut ids, mut splits) = extend(&entry, sp, text, enc)?;
+                    ids.shrink_to_fit();
+                    splits.shrink_to_fit();
+                    self.touch(id, text.len() - sp.byte as usize, sp.byte as usize);
+                    (ids, splits, (lcp == entry.text.len()).then_some(id))
+                }
+                None => self.miss(enc, text)?,
+            },
+            None => self.miss(enc, text)?,
+        };
+        let out = ids.clone();
+        let entry = Entry {
+            text: Arc::from(text),
+            ids,
+            splits,
+            keys,
+        };
+        self.insert(entry, superseded);
+        Ok(out)
+    }
+
+    fn miss(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>, Option<u64>)> {
+        self.lock().stats.misses += 1;
+        let (ids, splits) = enc.encode_with_splits(text)?;
+        Ok((ids, splits, None))
+    }
+
+    fn touch(&self, id: u64, encoded: usize, reused: usize) {
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        g.stats.hits += 1;
+        g.stats.bytes_encoded_on_hits += encoded as u64;
+        g.stats.bytes_reused += reused as u64;
+        g.tick += 1;
+        if let Some((_, t)) = g.entries.get_mut(&id) {
+            let old = std::mem::replace(t, g.tick);
+            g.lru.remove(&old);
+            g.lru.insert(g.tick, id);
+        }
+    }
+
+    /// The entry sharing the longest prefix with `text`, its id and that prefix's length.
+    fn best_match(&self, text: &str, keys: &[u64]) -> Option<(Arc<Entry>, u64, usize)> {
+        for key in keys.iter().rev() {
+            let candidates: Vec<(u64, Arc<Entry>)> = {
+                let g = self.lock();
+                let Some(bucket) = g.buckets.get(key) else {
+                    continue;
+                };
+                bucket
+                    .iter()
+                    .rev()
+                    .take(CANDIDATES)
+                    .filter_map(|id| g.entries.get(id).map(|(e, _)| (*id, e.clone())))
+                    .collect()
+            };
+            let best = candidates
+                .into_iter()
+                .map(|(id, e)| {
+                    let l = common_prefix(text.as_bytes(), e.text.as_bytes());
+                    (e, id, l)
+                })
+                .max_by_key(|(_, _, l)| *l);
+            if let Some(b) = best {
+                return Some(b);
+            }
+        }
+        None
+    }
+
+    fn insert(&self, entry: Entry, superseded: Option<u64>) {
+        let cost = entry.cost();
+        if cost > self.capacity {
+            return;
+        }
+        let keys = entry.keys.clone();
+        let mut g = self.lock();
+        if let Some(old) = superseded {
+            g.remove(old);
+        }
+        g.tick += 1;
+        g.next_id += 1;
+        let (id, tick) = (g.next_id, g.tick);
+        g.entries.insert(id, (Arc::new(entry), tick));
+        g.lru.insert(tick, id);
+        g.bytes += cost;
+        for key in keys {
+            let bucket = g.buckets.entry(key).or_default();
+            bucket.push(id);
+            if bucket.len() > BUCKET_CAP {
+                bucket.remove(0);
+            }
+        }
+        while g.bytes > self.capacity {
+            let Some((_, victim)) = g.lru.pop_first() else {
+                break;
+            };
+            g.remove(victim);
+            g.stats.evictions += 1;
+        }
+    }
+}
+
+impl Inner {
+    fn remove(&mut self, id: u64) {
+        let Some((entry, tick)) = self.entries.remove(&id) else {
+            return;
+        };
+        self.lru.remove(&tick);
+        self.bytes = self.bytes.saturating_sub(entry.cost());
+        for key in &entry.keys {
+            if let Some(bucket) = self.buckets.get_mut(key) {
+                bucket.retain(|x| *x != id);
+                if bucket.is_empty() {
+                    self.buckets.remove(key);
+                }
+            }
+        }
+    }
+}
+
+/// Keys of the first `256 * 4^k` bytes of `text`, shortest first. A key hashes the first and
+/// the last 256 bytes of its prefix (O(1) per level): it only selects candidates, and every
+/// candidate is compared byte for byte, so a collision costs a comparison, never correctness.
+fn level_keys(text: &str) -> Vec<u64> {
+    let bytes = text.as_bytes();
+    let mut keys = Vec::new();
+    let mut len = MIN_LEVEL;
+    while len <= bytes.len() {
+        let mut h = DefaultHasher::new();
+        len.hash(&mut h);
+        bytes[..MIN_LEVEL].hash(&mut h);
+        bytes[len - MIN_LEVEL..len].hash(&mut h);
+        keys.push(h.finish());
+        len = len.saturating_mul(4);
+    }
+    keys
+}
+
+/// The last split point whose match decisions read only the shared `lcp` bytes.
+fn restart_point(entry: &Entry, lcp: usize, max_added_len: usize) -> Option<SplitPoint> {
+    let limit = lcp.checked_sub(max_added_len + 4)?;
+    let idx = entry.splits.partition_point(|s| s.byte as usize <= limit);
+    idx.checked_sub(1)
+        .and_then(|i| entry.splits.get(i))
+        .copied()
+}
+
+fn extend(
+    entry: &Entry,
+    sp: SplitPoint,
+    text: &str,
+    enc: &Encoder,
+) -> Result<(Vec<u32>, Vec<SplitPoint>)> {
+    let (p, t) = (sp.byte as usize, sp.token as usize);
+    let suffix = text.get(p..).unwrap_or_default();
+    let (new_ids, new_splits) = enc.encode_with_splits(suffix)?;
+    let mut ids = Vec::with_capacity(t + new_ids.len());
+    ids.extend_from_slice(entry.ids.get(..t).unwrap_or_default());
+    ids.extend_from_slice(&new_ids);
+    let keep = entry.splits.partition_point(|s| s.byte as usize <= p);
+    let mut splits = Vec::with_capacity(keep + new_splits.len());
+    splits.extend_from_slice(entry.splits.get(..keep).unwrap_or_default());
+    splits.extend(new_splits.into_iter().map(|s| SplitPoint {
+        byte: s.byte + sp.byte,
+        token: s.token + sp.token,
+    }));
+    Ok((ids, splits))
+}
+
+/// Length of the common prefix of `a` and `b`, in bytes, cut back to a UTF-8 boundary of both.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 256;
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    while i + BLOCK <= n && a[i..i + BLOCK] == b[i..i + BLOCK] {
+        i += BLOCK;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    // Both are valid UTF-8 and equal up to `i`, so a boundary in one is a boundary in the other.
+    while i > 0 && i < a.len() && (a[i] & 0xC0) == 0x80 {
+        i -= 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn common_prefix_respects_char_boundaries() {
+        assert_eq!(common_prefix("héllo".as_bytes(), "hèllo".as_bytes()), 1);
+        assert_eq!(common_prefix(b"abc", b"abd"), 2);
+        assert_eq!(common_prefix(b"abc", b"abc"), 3);
+        let long_a = "x".repeat(1000) + "a";
+        let long_b = "x".repeat(1000) + "b";
+        assert_eq!(common_prefix(long_a.as_bytes(), long_b.as_bytes()), 1000);
+    }
+
+    #[test]
+    fn level_keys_are_prefix_stable() {
+        let a = "a".repeat(5000);
+        let b = "a".repeat(4096) + &"b".repeat(900);
+        let (ka, kb) = (level_keys(&a), level_keys(&b));
+        assert_eq!(ka.len(), 3);
+        assert_eq!(ka[..3], kb[..3]);
+        assert!(level_keys("short").is_empty());
+    }
+}

@@ -1,0 +1,157 @@
+//! The parts of OpenAI-style request bodies that decide the token ids vLLM hashes: chat
+//! (`/v1/chat/completions`, `/tokenize` with `messages`) and completions (`/v1/completions`,
+//! `/tokenize` with `prompt`). Every other field is ignored. Parsing never panics: bad JSON or a
+//! wrong shape is a [`TokenizeError::InvalidRequest`].
+
+use crate::json::{Json, Map};
+use serde::Deserialize;
+
+use crate::error::{Result, TokenizeError};
+
+fn default_true() -> bool {
+    true
+}
+
+/// A chat request (the fields vLLM's chat preprocessing reads).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Tool (function) definitions; rendered by templates that support tools.
+    #[serde(default)]
+    pub tools: Option<Vec<Json>>,
+    /// Only checked for consistency with `tools`, as vLLM does.
+    #[serde(default)]
+    pub tool_choice: Option<Json>,
+    /// Append the assistant header (vLLM's default: true).
+    #[serde(default = "default_true")]
+    pub add_generation_prompt: bool,
+    /// Leave the last message open for the model to continue (default false).
+    #[serde(default)]
+    pub continue_final_message: bool,
+    /// Add the tokenizer's special tokens (BOS) on top of the template's (default false).
+    #[serde(default)]
+    pub add_special_tokens: bool,
+    /// Extra template variables (`enable_thinking`, ...).
+    #[serde(default)]
+    pub chat_template_kwargs: Option<Map>,
+    /// RAG documents, passed to the template as `documents`.
+    #[serde(default)]
+    pub documents: Option<Vec<Json>>,
+    /// Passed to the template as `reasoning_effort`; also sets `enable_thinking` like vLLM.
+    #[serde(default)]
+    pub reasoning_effort: Option<String>,
+    /// A request-supplied template: refused, as vLLM refuses it unless started with
+    /// `--trust-request-chat-template`.
+    #[serde(default)]
+    pub chat_template: Option<String>,
+}
+
+/// One message of a chat request.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `developer`, `user`, `assistant`, `tool`, or a custom role.
+    pub role: String,
+    /// A string, a list of content parts, or absent/null.
+    #[serde(default)]
+    pub content: Option<MessageContent>,
+    /// Participant or function name.
+    #[serde(default)]
+    pub name: Option<Json>,
+    /// Assistant tool calls (`arguments` may be a JSON string; it is parsed as vLLM does).
+    #[serde(default)]
+    pub tool_calls: Option<Json>,
+    /// The tool call a `tool` message answers.
+    #[serde(default)]
+    pub tool_call_id: Option<Json>,
+    /// Assistant reasoning for interleaved thinking (vLLM passes it as `reasoning` and
+    /// `reasoning_content`).
+    #[serde(default)]
+    pub reasoning: Option<String>,
+    /// Tools attached to a `developer` message.
+    #[serde(default)]
+    pub tools: Option<Json>,
+    /// Model-specific task marker (passed through).
+    #[serde(default)]
+    pub task: Option<Json>,
+}
+
+/// Message content as sent.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum MessageContent {
+    /// Plain text.
+    Text(String),
+    /// Content parts (`{"type": "text", "text": ...}`, ...), kept as JSON.
+    Parts(Vec<Json>),
+}
+
+impl ChatRequest {
+    /// Parses a request body.
+    pub fn from_json(body: &[u8]) -> Result<Self> {
+        serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidRequest(e.to_string()))
+    }
+
+    /// A request with these messages and vLLM's defaults for everything else.
+    pub fn from_messages(messages: Vec<ChatMessage>) -> Self {
+        ChatRequest {
+            messages,
+            tools: None,
+            tool_choice: None,
+            add_generation_prompt: true,
+            continue_final_message: false,
+            add_special_tokens: false,
+            chat_template_kwargs: None,
+            documents: None,
+            reasoning_effort: None,
+            chat_template: None,
+        }
+    }
+}
+
+impl ChatMessage {
+    /// A message with plain text content.
+    pub fn text(role: &str, content: &str) -> Self {
+        ChatMessage {
+            role: role.to_string(),
+            content: Some(MessageContent::Text(content.to_string())),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning: None,
+            tools: None,
+            task: None,
+        }
+    }
+}
+
+/// The `prompt` of a completions request, in the four forms the OpenAI API allows.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum CompletionPrompt {
+    /// One text prompt.
+    Text(String),
+    /// One prompt given as token ids (used as is).
+    Ids(Vec<u32>),
+    /// Several text prompts (a batch: vLLM runs each as its own request).
+    Texts(Vec<String>),
+    /// Several prompts given as token ids.
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// A completions request (the fields that decide its token ids).
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt or prompts.
+    pub prompt: CompletionPrompt,
+    /// Add the tokenizer's special tokens (vLLM's default for completions: true).
+    #[serde(default = "default_true")]
+    pub add_special_tokens: bool,
+}
+
+impl CompletionRequest {
+    /// Parses a request body.
+    pub fn from_json(body: &[u8]) -> Result<Self> {
+        serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidRequest(e.to_string()))
+    }
+}

@@ -1,0 +1,191 @@
+//! The prefix cache against full tokenization: seeded random multi-turn conversations from
+//! ShareGPT (turn after turn, retries, edited history, dropped turns) on every tokenizer, plus
+//! completions prompts that grow, with special tokens spliced in. Every cached result must equal
+//! encoding the whole text; a failure prints the seed, tokenizer and step.
+
+// Test code: a failed unwrap is a failed test with its message.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod common;
+
+use kinference_tokenize::{ChatMessage, ChatRequest, Tokenizer, TokenizerOptions};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use common::*;
+
+const CHAT_DIRS: [&str; 4] = ["llama3", "qwen3", "deepseek-v3", "llama3.1"];
+const ALL_DIRS: [&str; 9] = [
+    "llama3",
+    "llama3.1",
+    "qwen2",
+    "qwen3",
+    "deepseek-v3",
+    "gpt2",
+    "mistral-v1",
+    "mistral-v3",
+    "@tiny",
+];
+
+fn load(name: &str, capacity: usize) -> Tokenizer {
+    let dir = if name == "@tiny" {
+        tiny_llama_dir()
+    } else {
+        tokenizers_dir().join(name)
+    };
+    Tokenizer::from_dir_with(
+        dir,
+        TokenizerOptions {
+            cache_capacity_bytes: capacity,
+            ..TokenizerOptions::default()
+        },
+    )
+    .unwrap()
+}
+
+fn request(msgs: &[(bool, String)], system: Option<&str>) -> ChatRequest {
+    let mut m: Vec<ChatMessage> = system
+        .map(|s| ChatMessage::text("system", s))
+        .into_iter()
+        .collect();
+    m.extend(
+        msgs.iter()
+            .map(|(h, t)| ChatMessage::text(if *h { "user" } else { "assistant" }, t)),
+    );
+    ChatRequest::from_messages(m)
+}
+
+/// Plays conversations turn by turn through a cached tokenizer and checks each result.
+fn play_chats(name: &str, seed: u64, convs: &[Vec<(bool, String)>], capacity: usize) -> (u64, u64) {
+    let tok = load(name, capacity);
+    assert!(
+        tok.prefix_cache_supported(),
+        "{name}: the cache should apply"
+    );
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut checks = 0;
+    for step in 0..40 {
+        let conv = &convs[rng.gen_range(0..convs.len())];
+        let system = rng
+            .gen_bool(0.5)
+            .then_some(SYSTEM_PROMPTS[rng.gen_range(0..3)]);
+        let mut history: Vec<(bool, String)> = Vec::new();
+        for (i, turn) in conv.iter().enumerate() {
+            history.push(turn.clone());
+            if !turn.0 {
+                continue;
+            }
+            let mut msgs = history.clone();
+            match rng.gen_range(0..10) {
+                // Edit an earlier message (a branch): the cache must not reuse past the edit.
+                0 if i > 1 => {
+                    let j = rng.gen_range(0..i);
+                    let text = &mut msgs[j].1;
+                    let mid = (0..=text.len() / 2)
+                        .rev()
+                        .find(|&m| text.is_char_boundary(m))
+                        .unwrap_or(0);
+                    text.insert_str(mid, " <|im_end|> edited ");
+                }
+                // Drop the last exchange (a shorter conversation than the cached one).
+                1 if msgs.len() > 3 => msgs.truncate(msgs.len() - 2),
+                _ => {}
+            }
+            let req = request(&msgs, system);
+            let want = tok
+                .encode_uncached(&tok.render_chat(&req).unwrap(), false)
+                .unwrap();
+            for attempt in 0..1 + usize::from(rng.gen_bool(0.2)) {
+                let got = tok.encode_chat(&req).unwrap();
+                assert!(
+                    got == want,
+                    "{name} seed {seed} step {step} turn {i} attempt {attempt}: cached ids differ"
+                );
+                checks += 1;
+            }
+        }
+    }
+    let stats = tok.cache_stats();
+    assert!(
+        stats.hits > 0,
+        "{name}: the cache was never used: {stats:?}"
+    );
+    assert!(
+        capacity == 0 || stats.bytes <= capacity as u64,
+        "{name}: over capacity: {stats:?}"
+    );
+    (checks, stats.hits)
+}
+
+#[test]
+fn chat_turns_equal_full_tokenization() {
+    let convs = sharegpt();
+    std::thread::scope(|s| {
+        for (k, name) in CHAT_DIRS.iter().enumerate() {
+            let convs = &convs;
+            s.spawn(move || {
+                let (checks, hits) = play_chats(name, 1000 + k as u64, convs, 64 << 20);
+                println!("{name}: {checks} chat checks, {hits} cache hits");
+            });
+        }
+    });
+}
+
+#[test]
+fn small_cache_evicts_and_stays_exact() {
+    let convs = sharegpt();
+    let (checks, hits) = play_chats("qwen3", 7, &convs, 40_000);
+    println!("qwen3 with a 40 kB cache: {checks} checks, {hits} hits");
+}
+
+/// Completions prompts that grow by appending text, with special tokens of the tokenizer and
+/// look-alikes spliced in at random places (they are where the cache restarts).
+#[test]
+fn growing_prompts_equal_full_tokenization() {
+    let convs = sharegpt();
+    std::thread::scope(|s| {
+        for (k, name) in ALL_DIRS.iter().enumerate() {
+            let convs = &convs;
+            s.spawn(move || {
+                let tok = load(name, 32 << 20);
+                let mut rng = ChaCha8Rng::seed_from_u64(2000 + k as u64);
+                let specials = [
+                    "<|im_start|>",
+                    "<|im_end|>",
+                    "<|eot_id|>",
+                    "<|begin_of_text|>",
+                    "<s>",
+                    "</s>",
+                    "<|endoftext|>",
+                    "<｜User｜>",
+                    "<|im_start",
+                    " ",
+                    "\n\n",
+                    "é",
+                ];
+                let mut checks = 0;
+                for round in 0..30 {
+                    let conv = &convs[rng.gen_range(0..convs.len())];
+                    let mut prompt = String::new();
+                    for (_, text) in conv {
+                        let cut = text
+                            .char_indices()
+                            .nth(rng.gen_range(0..=text.chars().count().min(600)));
+                        prompt.push_str(&text[..cut.map_or(text.len(), |(i, _)| i)]);
+                        prompt.push_str(specials[rng.gen_range(0..specials.len())]);
+                        let add = rng.gen_bool(0.5);
+                        let want = tok.encode_uncached(&prompt, add).unwrap();
+                        let got = tok.encode_text(&prompt, add).unwrap();
+                        assert!(
+                            got == want,
+                            "{name} round {round}: cached ids differ (len {})",
+                            prompt.len()
+                        );
+                        checks += 1;
+                    }
+                }
+                println!("{name}: {checks} prompt checks, {:?}", tok.cache_stats());
+            });
+        }
+    });
+}
