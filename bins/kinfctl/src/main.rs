@@ -2,8 +2,9 @@
 //! prints KV-event captures with vLLM's field names.
 //!
 //! Output is one line per item (a block, a batch) so it can be piped; `--json` makes every line a
-//! JSON object. Errors go to stderr with a non-zero exit status. Tokenizing text (`--tokenizer`,
-//! `--prompt`, `--messages`) is not offered yet: pass token ids.
+//! JSON object. Errors go to stderr with a non-zero exit status. `hash` takes token ids, or text
+//! with `--tokenizer DIR` (`--prompt` for completions, `--messages` for chat), tokenized exactly
+//! as vLLM would.
 
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -11,6 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use kinference_tokenize::{ChatRequest, Tokenizer};
 use kinference_vllm::events::codec::{decode_batch_with_stats, DecodeStats};
 use kinference_vllm::events::frames::{parse_length_prefixed, parse_replay, ReplayFrame};
 use kinference_vllm::hashing::{
@@ -58,8 +60,25 @@ struct HashArgs {
     #[arg(long, default_value = "tagged")]
     extra_keys_format: ExtraKeysFormat,
     /// Comma-separated token ids, e.g. 1,2,3.
-    #[arg(long, value_parser = parse_tokens, allow_hyphen_values = true)]
-    tokens: Tokens,
+    #[arg(
+        long,
+        value_parser = parse_tokens,
+        allow_hyphen_values = true,
+        required_unless_present = "tokenizer",
+        conflicts_with = "tokenizer"
+    )]
+    tokens: Option<Tokens>,
+    /// A tokenizer directory (tokenizer.json, tokenizer_config.json, chat template): tokenize
+    /// --prompt or --messages exactly as a vLLM replica serving that tokenizer would.
+    #[arg(long, requires = "text")]
+    tokenizer: Option<PathBuf>,
+    /// A completions prompt (encoded with special tokens, as `/v1/completions` does).
+    #[arg(long, group = "text", requires = "tokenizer")]
+    prompt: Option<String>,
+    /// Chat messages as JSON: an array of messages, or a whole chat request body; rendered with
+    /// the chat template and `add_generation_prompt` (default true), as `/v1/chat/completions` does.
+    #[arg(long, group = "text", requires = "tokenizer")]
+    messages: Option<String>,
     /// One JSON object per block.
     #[arg(long)]
     json: bool,
@@ -151,8 +170,8 @@ fn run_hash(args: &HashArgs, out: &mut impl Write) -> Result<()> {
         cache_salt: args.cache_salt.clone(),
         prompt_embeds_digests: Vec::new(),
     };
-    let tokens = &args.tokens.0;
-    let digests = hasher.hash_blocks(tokens, &extras);
+    let tokens = token_ids(args)?;
+    let digests = hasher.hash_blocks(&tokens, &extras);
     if digests.is_empty() {
         eprintln!(
             "no full block: {} tokens, block size {}",
@@ -173,6 +192,35 @@ fn run_hash(args: &HashArgs, out: &mut impl Write) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The token ids to hash: given, or tokenized from --prompt / --messages with --tokenizer.
+fn token_ids(args: &HashArgs) -> Result<Vec<u32>> {
+    if let Some(tokens) = &args.tokens {
+        if args.prompt.is_some() || args.messages.is_some() {
+            bail!("--prompt and --messages need --tokenizer, not --tokens");
+        }
+        return Ok(tokens.0.clone());
+    }
+    let Some(dir) = &args.tokenizer else {
+        bail!("give --tokens, or --tokenizer with --prompt or --messages");
+    };
+    let tokenizer = Tokenizer::from_dir(dir)
+        .with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+    if let Some(prompt) = &args.prompt {
+        return Ok(tokenizer.encode_completion(prompt)?);
+    }
+    let Some(messages) = &args.messages else {
+        bail!("--tokenizer needs --prompt or --messages");
+    };
+    let body: Value = serde_json::from_str(messages).context("--messages is not valid JSON")?;
+    let body = match body {
+        Value::Array(_) => serde_json::json!({ "messages": body }),
+        Value::Object(_) => body,
+        _ => bail!("--messages must be a JSON array of messages or a chat request object"),
+    };
+    let request = ChatRequest::from_json(body.to_string().as_bytes())?;
+    Ok(tokenizer.encode_chat(&request)?)
 }
 
 /// What one capture file holds.

@@ -298,3 +298,86 @@ fn decode_events_rejects_garbage_clearly() {
     // The good file is still printed.
     assert!(String::from_utf8_lossy(&out.stdout).contains("AllBlocksCleared"));
 }
+
+/// `hash --tokenizer` must hash the very ids a real vLLM 0.32 returned from `/tokenize` for the
+/// same completions prompt or chat request (recorded in `real_vllm_0.32/run1/requests.json`).
+#[test]
+fn hash_with_tokenizer_matches_real_vllm_tokenize() {
+    let golden = shared_dir().join("golden/real_vllm_0.32");
+    let tokenizer = golden.join("tiny-llama-tokenizer");
+    let tokenizer = tokenizer.to_str().unwrap();
+    let text = std::fs::read_to_string(golden.join("run1/requests.json")).unwrap();
+    let requests: Value = serde_json::from_str(&text).unwrap();
+    let steps = requests["steps"].as_array().unwrap();
+    assert!(steps.len() >= 4, "expected completions and chat steps");
+    let (mut prompts, mut chats) = (0, 0);
+    for step in steps {
+        let name = step["name"].as_str().unwrap();
+        let ids: Vec<String> = step["tokenize"]["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t.as_u64().unwrap().to_string())
+            .collect();
+        let expected = stdout_lines(&kinfctl(&[
+            "hash",
+            "--block-size",
+            "32",
+            "--json",
+            "--tokens",
+            &ids.join(","),
+        ]));
+        assert!(
+            !expected.is_empty(),
+            "{name}: no full block in the golden ids"
+        );
+        let request = &step["tokenize_request"];
+        let got = if let Some(prompt) = request["prompt"].as_str() {
+            prompts += 1;
+            kinfctl(&[
+                "hash",
+                "--block-size",
+                "32",
+                "--json",
+                "--tokenizer",
+                tokenizer,
+                "--prompt",
+                prompt,
+            ])
+        } else {
+            chats += 1;
+            let body = request.to_string();
+            kinfctl(&[
+                "hash",
+                "--block-size",
+                "32",
+                "--json",
+                "--tokenizer",
+                tokenizer,
+                "--messages",
+                &body,
+            ])
+        };
+        assert_eq!(stdout_lines(&got), expected, "{name}");
+    }
+    assert!(
+        prompts > 0 && chats > 0,
+        "both request kinds must be covered"
+    );
+}
+
+#[test]
+fn hash_text_needs_a_tokenizer() {
+    let out = kinfctl(&[
+        "hash",
+        "--block-size",
+        "4",
+        "--tokens",
+        "1,2,3,4",
+        "--prompt",
+        "x",
+    ]);
+    assert!(!out.status.success());
+    let out = kinfctl(&["hash", "--block-size", "4"]);
+    assert!(!out.status.success());
+}
