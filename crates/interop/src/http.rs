@@ -218,62 +218,44 @@ impl VllmHttp {
     }
 
     async fn get_text(&self, url: &str) -> Result<String, InteropError> {
-        let resp = self
-            .client
-            .get(url)
-            .send()
-            .await
-            .map_err(|source| InteropError::Http {
-                what: "GET",
-                url: url.to_owned(),
-                source,
-            })?;
-        let status = resp.status();
-        let body = resp.text().await.map_err(|source| InteropError::Http {
-            what: "reading",
-            url: url.to_owned(),
-            source,
-        })?;
-        if !status.is_success() {
-            return Err(InteropError::Status {
-                url: url.to_owned(),
-                status: status.as_u16(),
-                body,
-            });
-        }
-        Ok(body)
+        body_text("GET", url, self.client.get(url)).await
     }
 
     async fn post(&self, path: &str, body: &Value) -> Result<(String, Value), InteropError> {
         let url = format!("{}{path}", self.base);
-        let resp = self
-            .client
-            .post(&url)
-            .json(body)
-            .send()
-            .await
-            .map_err(|source| InteropError::Http {
-                what: "POST",
-                url: url.clone(),
-                source,
-            })?;
-        let status = resp.status();
-        let text = resp.text().await.map_err(|source| InteropError::Http {
-            what: "reading",
-            url: url.clone(),
-            source,
-        })?;
-        if !status.is_success() {
-            return Err(InteropError::Status {
-                url,
-                status: status.as_u16(),
-                body: text,
-            });
-        }
+        let text = body_text("POST", &url, self.client.post(&url).json(body)).await?;
         let value =
             serde_json::from_str(&text).map_err(|e| bad(&url, &format!("not JSON: {e}")))?;
         Ok((url, value))
     }
+}
+
+/// Sends `request` and returns its body, or the error a caller can act on: a transport
+/// failure, or a non-2xx status with the body vLLM sent.
+async fn body_text(
+    what: &'static str,
+    url: &str,
+    request: reqwest::RequestBuilder,
+) -> Result<String, InteropError> {
+    let resp = request.send().await.map_err(|source| InteropError::Http {
+        what,
+        url: url.to_owned(),
+        source,
+    })?;
+    let status = resp.status();
+    let body = resp.text().await.map_err(|source| InteropError::Http {
+        what: "reading",
+        url: url.to_owned(),
+        source,
+    })?;
+    if !status.is_success() {
+        return Err(InteropError::Status {
+            url: url.to_owned(),
+            status: status.as_u16(),
+            body,
+        });
+    }
+    Ok(body)
 }
 
 fn bad(url: &str, reason: &str) -> InteropError {
