@@ -1,0 +1,203 @@
+//! Policy configuration as it appears in the router's config file (`policy:` per pool).
+//!
+//! Every field has a default, so `{kind: precise}` is a complete configuration; `validate`
+//! reports every bad value at once.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// Which policy a pool uses, with its knobs.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "kebab-case", deny_unknown_fields)]
+pub enum PolicyConfig {
+    /// Cached prefix from the replicas' own KV events (the default).
+    Precise(PreciseConfig),
+    /// Cached prefix guessed from what this router sent where (replicas without events).
+    Approximate(ApproximateConfig),
+    RoundRobin,
+    LeastLoad,
+    /// Requests with the same session key go to the same worker (rendezvous hashing).
+    SessionAffinity,
+}
+
+impl Default for PolicyConfig {
+    fn default() -> Self {
+        PolicyConfig::Precise(PreciseConfig::default())
+    }
+}
+
+/// The knobs of cache-vs-load scoring, shared by the precise and approximate policies.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PreciseConfig {
+    /// Cached tokens worth one fleet-mean of outstanding requests: a worker twice as busy as
+    /// the mean must hold this many more cached tokens to win.
+    pub load_weight_tokens: f64,
+    /// Workers whose outstanding requests (this one included) exceed this multiple of the fair
+    /// share are ranked after all others, however much they hold: hot prefixes spread.
+    pub fair_share_cap: f64,
+    /// How much one cached token in a lower tier (CPU, storage) is worth against one on GPU.
+    pub offload_credit: f64,
+    /// Cost of one uncached prompt token this router already sent to the worker and that is
+    /// still being prefilled, in cached tokens: queued prefill delays this request's first token.
+    pub pending_prefill_weight: f64,
+    /// KV usage above which a worker is penalised (it is close to preempting).
+    pub kv_pressure_threshold: f64,
+    /// Penalty, in cached tokens, at 100 % KV usage (linear from the threshold).
+    pub kv_pressure_tokens: f64,
+    /// After routing, assume the chosen worker holds the request's blocks for this long,
+    /// until its events confirm them. Zero disables speculation.
+    #[serde(rename = "speculative_ttl_ms", with = "millis")]
+    pub speculative_ttl: Duration,
+    /// Upper bound on speculative entries kept.
+    pub speculative_capacity: usize,
+}
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        PreciseConfig {
+            load_weight_tokens: 1024.0,
+            fair_share_cap: 1.25,
+            offload_credit: 0.5,
+            pending_prefill_weight: 0.25,
+            kv_pressure_threshold: 0.9,
+            kv_pressure_tokens: 2048.0,
+            speculative_ttl: Duration::from_secs(2),
+            speculative_capacity: 1 << 20,
+        }
+    }
+}
+
+/// The approximate policy: the same scoring over a router-side record of routed prefixes.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApproximateConfig {
+    /// The cache-vs-load knobs (`scoring:` in the file).
+    pub scoring: PreciseConfig,
+    /// How long a routed prefix is assumed to stay cached.
+    #[serde(rename = "ttl_ms", with = "millis")]
+    pub ttl: Duration,
+    /// Upper bound on (block, worker) entries; the oldest go first.
+    pub capacity: usize,
+}
+
+impl Default for ApproximateConfig {
+    fn default() -> Self {
+        ApproximateConfig {
+            scoring: PreciseConfig {
+                speculative_ttl: Duration::ZERO,
+                ..PreciseConfig::default()
+            },
+            ttl: Duration::from_secs(120),
+            capacity: 1 << 22,
+        }
+    }
+}
+
+/// A bad policy setting; `field` is the setting's name as in the config file.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("policy setting `{field}`: {problem}")]
+pub struct ConfigError {
+    pub field: &'static str,
+    pub problem: String,
+}
+
+impl PolicyConfig {
+    /// The policy's name as in the config file and in metrics.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PolicyConfig::Precise(_) => "precise",
+            PolicyConfig::Approximate(_) => "approximate",
+            PolicyConfig::RoundRobin => "round-robin",
+            PolicyConfig::LeastLoad => "least-load",
+            PolicyConfig::SessionAffinity => "session-affinity",
+        }
+    }
+
+    /// Parses a bare policy name (command-line flags), with default knobs.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name {
+            "precise" => PolicyConfig::Precise(PreciseConfig::default()),
+            "approximate" => PolicyConfig::Approximate(ApproximateConfig::default()),
+            "round-robin" => PolicyConfig::RoundRobin,
+            "least-load" => PolicyConfig::LeastLoad,
+            "session-affinity" => PolicyConfig::SessionAffinity,
+            _ => return None,
+        })
+    }
+
+    /// Every problem with the settings, not just the first.
+    pub fn validate(&self) -> Vec<ConfigError> {
+        let mut errs = Vec::new();
+        match self {
+            PolicyConfig::Precise(p) => p.validate(&mut errs),
+            PolicyConfig::Approximate(a) => {
+                a.scoring.validate(&mut errs);
+                if a.ttl.is_zero() {
+                    errs.push(err("ttl_ms", "must be positive"));
+                }
+                if a.capacity == 0 {
+                    errs.push(err("capacity", "must be positive"));
+                }
+            }
+            PolicyConfig::RoundRobin | PolicyConfig::LeastLoad | PolicyConfig::SessionAffinity => {}
+        }
+        errs
+    }
+}
+
+impl PreciseConfig {
+    fn validate(&self, errs: &mut Vec<ConfigError>) {
+        let non_neg = [
+            ("load_weight_tokens", self.load_weight_tokens),
+            ("offload_credit", self.offload_credit),
+            ("pending_prefill_weight", self.pending_prefill_weight),
+            ("kv_pressure_tokens", self.kv_pressure_tokens),
+        ];
+        for (field, v) in non_neg {
+            if !v.is_finite() || v < 0.0 {
+                errs.push(err(field, format!("must be a finite number >= 0, got {v}")));
+            }
+        }
+        if !self.fair_share_cap.is_finite() || self.fair_share_cap < 1.0 {
+            errs.push(err(
+                "fair_share_cap",
+                format!(
+                    "must be >= 1 (1 = perfectly even), got {}",
+                    self.fair_share_cap
+                ),
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.kv_pressure_threshold) {
+            errs.push(err(
+                "kv_pressure_threshold",
+                format!("must be within 0..=1, got {}", self.kv_pressure_threshold),
+            ));
+        }
+        if self.offload_credit > 1.0 {
+            errs.push(err(
+                "offload_credit",
+                "must be <= 1 (a GPU block is worth 1)",
+            ));
+        }
+    }
+}
+
+fn err(field: &'static str, problem: impl Into<String>) -> ConfigError {
+    ConfigError {
+        field,
+        problem: problem.into(),
+    }
+}
+
+/// Durations in the config file are integer milliseconds (`speculative_ttl_ms: 2000`).
+mod millis {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        u64::deserialize(d).map(Duration::from_millis)
+    }
+}

@@ -1,0 +1,178 @@
+//! [`Policy`]: one pool's routing policy with the state it keeps between requests.
+
+use std::time::Duration;
+
+use kinference_index::WorkerId;
+use kinference_vllm::BlockHash;
+
+use crate::config::{PolicyConfig, PreciseConfig};
+use crate::score::{self, Credit};
+use crate::tracker::PrefixTracker;
+use crate::types::{Candidate, Decision, Reason, RequestCtx};
+
+/// A configured policy. `select` is pure; `apply` records a decision's effects.
+#[derive(Clone, Debug)]
+pub struct Policy {
+    config: PolicyConfig,
+    /// Precise: speculative entries. Approximate: the record of routed prefixes.
+    tracker: Option<PrefixTracker>,
+}
+
+impl Policy {
+    pub fn new(config: PolicyConfig) -> Self {
+        let tracker = match &config {
+            PolicyConfig::Precise(p) if !p.speculative_ttl.is_zero() => Some(PrefixTracker::new(
+                p.speculative_ttl,
+                p.speculative_capacity,
+            )),
+            PolicyConfig::Approximate(a) => Some(PrefixTracker::new(a.ttl, a.capacity)),
+            _ => None,
+        };
+        Policy { config, tracker }
+    }
+
+    pub fn config(&self) -> &PolicyConfig {
+        &self.config
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.config.name()
+    }
+
+    /// Whether this policy reads `Candidate::cache` (the caller can skip the index lookup
+    /// otherwise).
+    pub fn uses_index(&self) -> bool {
+        matches!(self.config, PolicyConfig::Precise(_))
+    }
+
+    /// Ranks the candidates for one request. Pure: the same inputs give the same decision.
+    pub fn select(
+        &self,
+        req: &RequestCtx<'_>,
+        candidates: &[Candidate],
+        now: Duration,
+    ) -> Decision {
+        let name = self.name();
+        if candidates.is_empty() {
+            return Decision::empty(name);
+        }
+        match &self.config {
+            PolicyConfig::Precise(cfg) => {
+                let credits: Vec<Credit> = candidates
+                    .iter()
+                    .map(|c| {
+                        let spec = self
+                            .tracker
+                            .as_ref()
+                            .map_or(0, |t| t.prefix_len(c.worker, req.hashes, now));
+                        let gpu = c.cache.gpu.max(spec);
+                        Credit {
+                            gpu,
+                            offloaded: c.cache.any.max(gpu) - gpu,
+                            speculative: spec.saturating_sub(c.cache.gpu),
+                        }
+                    })
+                    .collect();
+                self.rank(cfg, candidates, &credits, req)
+            }
+            PolicyConfig::Approximate(a) => {
+                let credits: Vec<Credit> = candidates
+                    .iter()
+                    .map(|c| Credit {
+                        gpu: self
+                            .tracker
+                            .as_ref()
+                            .map_or(0, |t| t.prefix_len(c.worker, req.hashes, now)),
+                        ..Credit::default()
+                    })
+                    .collect();
+                self.rank(&a.scoring, candidates, &credits, req)
+            }
+            PolicyConfig::RoundRobin => {
+                let scores = score::load_scores(candidates);
+                let n = candidates.len();
+                let start = (req.ticket % n as u64) as usize;
+                let order: Vec<usize> = (0..n).map(|i| (start + i) % n).collect();
+                score::decision_from(name, Reason::RoundRobin, scores, &order)
+            }
+            PolicyConfig::LeastLoad => least_load(name, Reason::LeastLoad, candidates, req.ticket),
+            PolicyConfig::SessionAffinity => match req.session {
+                Some(key) => {
+                    let scores = score::load_scores(candidates);
+                    let weights: Vec<u64> = candidates
+                        .iter()
+                        .map(|c| score::rendezvous_weight(key, c.worker))
+                        .collect();
+                    let order = score::sorted_order(candidates.len(), 0, |a, b| {
+                        weights[b].cmp(&weights[a])
+                    });
+                    score::decision_from(name, Reason::SessionAffinity, scores, &order)
+                }
+                None => least_load(name, Reason::NoSession, candidates, req.ticket),
+            },
+        }
+    }
+
+    /// Records a decision's effects on this policy's state: the chosen worker is assumed to
+    /// hold the request's blocks from `now` (speculatively, or in the approximate record).
+    pub fn apply(&mut self, decision: &Decision, hashes: &[BlockHash], now: Duration) {
+        if let (Some(t), Some(w)) = (self.tracker.as_mut(), decision.chosen()) {
+            t.insert(w, hashes, now);
+        }
+    }
+
+    /// Drops expired router-side entries; call now and then (e.g. once a second).
+    pub fn expire(&mut self, now: Duration) {
+        if let Some(t) = self.tracker.as_mut() {
+            t.expire(now);
+        }
+    }
+
+    /// Forgets a worker that left the pool.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        if let Some(t) = self.tracker.as_mut() {
+            t.remove_worker(worker);
+        }
+    }
+
+    /// Router-side (block, worker) entries held: speculative or approximate.
+    pub fn tracked_entries(&self) -> usize {
+        self.tracker.as_ref().map_or(0, PrefixTracker::len)
+    }
+
+    fn rank(
+        &self,
+        cfg: &PreciseConfig,
+        candidates: &[Candidate],
+        credits: &[Credit],
+        req: &RequestCtx<'_>,
+    ) -> Decision {
+        score::rank_by_cache(
+            cfg,
+            self.name(),
+            candidates,
+            credits,
+            req.prompt_tokens,
+            req.block_size,
+            req.ticket,
+        )
+    }
+}
+
+fn least_load(
+    name: &'static str,
+    reason: Reason,
+    candidates: &[Candidate],
+    ticket: u64,
+) -> Decision {
+    let scores = score::load_scores(candidates);
+    let order = score::sorted_order(candidates.len(), ticket, |a, b| {
+        scores[a].load.total_cmp(&scores[b].load).then(
+            candidates[a]
+                .load
+                .in_flight_prefill_tokens
+                .cmp(&candidates[b].load.in_flight_prefill_tokens),
+        )
+    });
+    score::decision_from(name, reason, scores, &order)
+}

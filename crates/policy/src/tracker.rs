@@ -1,0 +1,177 @@
+//! A router-side record of which worker was sent which blocks, each entry valid until a
+//! deadline: speculative entries (short TTL, until the worker's events confirm) and the
+//! approximate policy's picture of replicas without events (long TTL, bounded size).
+//!
+//! Invariants: an entry is live iff `now < deadline`; inserting an existing (block, worker)
+//! pair moves its deadline; at most `capacity` pairs are kept, the one with the earliest
+//! deadline (the least recently routed, as all entries share one TTL) leaving first. Expired
+//! and superseded entries are dropped lazily by [`PrefixTracker::insert`] and
+//! [`PrefixTracker::expire`], so lookups never mutate.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::Duration;
+
+use kinference_index::WorkerId;
+use kinference_vllm::BlockHash;
+
+/// Block → workers with a deadline each.
+#[derive(Clone, Debug)]
+pub struct PrefixTracker {
+    ttl: Duration,
+    capacity: usize,
+    /// Per block: (worker, deadline, stamp of the insertion that set the deadline).
+    live: HashMap<BlockHash, Vec<(WorkerId, Duration, u64)>>,
+    /// Every insertion in deadline order (one TTL for all, and time only moves forward).
+    /// An element is stale when the pair's current stamp differs (it was refreshed since).
+    order: VecDeque<(Duration, u64, BlockHash, WorkerId)>,
+    len: usize,
+    stamp: u64,
+}
+
+impl PrefixTracker {
+    pub fn new(ttl: Duration, capacity: usize) -> Self {
+        PrefixTracker {
+            ttl,
+            capacity: capacity.max(1),
+            live: HashMap::new(),
+            order: VecDeque::new(),
+            len: 0,
+            stamp: 0,
+        }
+    }
+
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// (block, worker) pairs held, live or expired but not yet dropped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Records that `worker` was sent `hashes` at `now`.
+    ///
+    /// `now` must not go backwards between calls; a call with an earlier `now` is treated as
+    /// happening at the latest time seen, so deadlines stay ordered.
+    pub fn insert(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Duration) {
+        if self.ttl.is_zero() {
+            return;
+        }
+        let now = self
+            .order
+            .back()
+            .map_or(now, |&(d, _, _, _)| now.max(d.saturating_sub(self.ttl)));
+        self.expire(now);
+        let deadline = now.saturating_add(self.ttl);
+        for &h in hashes {
+            let holders = self.live.entry(h).or_default();
+            self.stamp += 1;
+            let stamp = self.stamp;
+            match holders.iter_mut().find(|(w, _, _)| *w == worker) {
+                Some(entry) => {
+                    entry.1 = deadline;
+                    entry.2 = stamp;
+                }
+                None => {
+                    holders.push((worker, deadline, stamp));
+                    self.len += 1;
+                }
+            }
+            self.order.push_back((deadline, stamp, h, worker));
+        }
+        while self.len > self.capacity {
+            if !self.pop_oldest() {
+                break;
+            }
+        }
+        // Refreshes leave stale elements behind; keep the queue within a constant factor of
+        // the live set so memory stays bounded under a hot prefix.
+        if self.order.len() > 2 * self.len + 1024 {
+            self.compact();
+        }
+    }
+
+    /// Drops every entry whose deadline has passed.
+    pub fn expire(&mut self, now: Duration) {
+        while let Some(&(deadline, _, _, _)) = self.order.front() {
+            if deadline > now {
+                break;
+            }
+            self.pop_oldest();
+        }
+    }
+
+    /// Forgets a worker (it left the pool).
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        let mut removed = 0;
+        self.live.retain(|_, holders| {
+            let before = holders.len();
+            holders.retain(|(w, _, _)| *w != worker);
+            removed += before - holders.len();
+            !holders.is_empty()
+        });
+        self.len -= removed;
+        self.order.retain(|&(_, _, _, w)| w != worker);
+    }
+
+    /// How many leading blocks of `hashes` `worker` holds live at `now`.
+    pub fn prefix_len(&self, worker: WorkerId, hashes: &[BlockHash], now: Duration) -> u32 {
+        let mut n = 0u32;
+        for h in hashes {
+            let held = self
+                .live
+                .get(h)
+                .is_some_and(|hs| hs.iter().any(|&(w, d, _)| w == worker && d > now));
+            if !held {
+                break;
+            }
+            n = n.saturating_add(1);
+        }
+        n
+    }
+
+    /// Workers holding block 0 of `hashes` live at `now`, each with its prefix length.
+    pub fn longest_prefixes(&self, hashes: &[BlockHash], now: Duration) -> Vec<(WorkerId, u32)> {
+        let Some(first) = hashes.first().and_then(|h| self.live.get(h)) else {
+            return Vec::new();
+        };
+        first
+            .iter()
+            .filter(|&&(_, d, _)| d > now)
+            .map(|&(w, _, _)| (w, self.prefix_len(w, hashes, now)))
+            .collect()
+    }
+
+    /// Removes the front element of the queue, and its pair if the element is current.
+    fn pop_oldest(&mut self) -> bool {
+        let Some((_, stamp, h, worker)) = self.order.pop_front() else {
+            return false;
+        };
+        if let Some(holders) = self.live.get_mut(&h) {
+            if let Some(i) = holders
+                .iter()
+                .position(|&(w, _, s)| w == worker && s == stamp)
+            {
+                holders.swap_remove(i);
+                self.len -= 1;
+                if holders.is_empty() {
+                    self.live.remove(&h);
+                }
+            }
+        }
+        true
+    }
+
+    /// Drops stale queue elements (pairs refreshed since).
+    fn compact(&mut self) {
+        let live = &self.live;
+        self.order.retain(|&(_, stamp, h, worker)| {
+            live.get(&h)
+                .is_some_and(|hs| hs.iter().any(|&(w, _, s)| w == worker && s == stamp))
+        });
+    }
+}

@@ -1,0 +1,407 @@
+//! Behaviour of the policies on hand-built fleets: cache wins at equal load, cold requests
+//! rotate, hot prefixes spread, speculation holds bursts together, and the load-only policies.
+
+use std::time::Duration;
+
+use kinference_index::{ReplicaId, TierCounts, WorkerId};
+use kinference_policy::{
+    ApproximateConfig, Candidate, Decision, Load, Policy, PolicyConfig, PreciseConfig, Reason,
+    RequestCtx,
+};
+use kinference_vllm::{BlockHash, DpRank};
+
+fn w(i: u32) -> WorkerId {
+    WorkerId::new(ReplicaId(i), DpRank(0))
+}
+
+fn fleet(n: u32) -> Vec<Candidate> {
+    (0..n).map(|i| Candidate::new(w(i))).collect()
+}
+
+fn hashes(prefix: u64, n: u64) -> Vec<BlockHash> {
+    (0..n).map(|i| BlockHash(prefix * 1_000_000 + i)).collect()
+}
+
+fn ctx(h: &[BlockHash], ticket: u64) -> RequestCtx<'_> {
+    RequestCtx {
+        hashes: h,
+        prompt_tokens: (h.len() as u32) * 16 + 5,
+        block_size: 16,
+        session: None,
+        ticket,
+    }
+}
+
+fn gpu(n: u32) -> TierCounts {
+    TierCounts {
+        gpu: n,
+        any: n,
+        ..TierCounts::default()
+    }
+}
+
+fn precise() -> Policy {
+    Policy::new(PolicyConfig::Precise(PreciseConfig::default()))
+}
+
+fn assert_complete(d: &Decision, cands: &[Candidate]) {
+    assert_eq!(d.ranked.len(), cands.len());
+    assert_eq!(d.scores.len(), cands.len());
+    for (r, s) in d.ranked.iter().zip(&d.scores) {
+        assert_eq!(*r, s.worker);
+    }
+    for c in cands {
+        assert_eq!(d.ranked.iter().filter(|&&r| r == c.worker).count(), 1);
+    }
+}
+
+#[test]
+fn cached_prefix_wins_at_equal_load() {
+    let h = hashes(1, 40);
+    let mut c = fleet(4);
+    c[2].cache = gpu(30);
+    c[1].cache = gpu(10);
+    let d = precise().select(&ctx(&h, 0), &c, Duration::ZERO);
+    assert_complete(&d, &c);
+    assert_eq!(d.chosen(), Some(w(2)));
+    assert_eq!(d.ranked[1], w(1));
+    assert_eq!(d.reason, Reason::CachedPrefix);
+    assert_eq!(d.scores[0].predicted_cached_tokens, 30 * 16);
+    assert_eq!(d.policy, "precise");
+}
+
+#[test]
+fn predicted_tokens_never_exceed_the_prompt() {
+    let h = hashes(1, 4);
+    let mut c = fleet(1);
+    c[0].cache = gpu(4);
+    let r = RequestCtx {
+        prompt_tokens: 64,
+        ..ctx(&h, 0)
+    };
+    let d = precise().select(&r, &c, Duration::ZERO);
+    assert_eq!(d.scores[0].predicted_cached_tokens, 64);
+}
+
+#[test]
+fn cold_requests_rotate_instead_of_piling_on_one_worker() {
+    let c = fleet(5);
+    let p = precise();
+    let mut chosen: Vec<WorkerId> = (0..5)
+        .map(|t| {
+            let h = hashes(100 + t, 8);
+            let d = p.select(&ctx(&h, t), &c, Duration::ZERO);
+            assert_eq!(d.reason, Reason::NoCache);
+            d.chosen().unwrap()
+        })
+        .collect();
+    chosen.sort();
+    chosen.dedup();
+    assert_eq!(
+        chosen.len(),
+        5,
+        "five cold requests at equal load go to five workers"
+    );
+}
+
+#[test]
+fn a_much_busier_worker_loses_a_short_prefix() {
+    let h = hashes(1, 4);
+    let mut c = fleet(3);
+    c[0].cache = gpu(2); // 32 tokens: not worth a queue
+    c[0].load.running = 6;
+    c[1].load.running = 3;
+    c[2].load.running = 3;
+    let d = precise().select(&ctx(&h, 0), &c, Duration::ZERO);
+    assert_ne!(d.chosen(), Some(w(0)));
+    assert!(matches!(
+        d.reason,
+        Reason::LoadOverCache | Reason::PrefixSpread
+    ));
+}
+
+#[test]
+fn a_hot_prefix_spreads_across_the_fleet() {
+    // Every request shares a 64-block system prompt that only worker 0 holds; requests never
+    // finish, so load only grows. The cap keeps every worker near the fair share.
+    let cfg = PreciseConfig {
+        speculative_ttl: Duration::ZERO,
+        ..PreciseConfig::default()
+    };
+    let cap = cfg.fair_share_cap;
+    let p = Policy::new(PolicyConfig::Precise(cfg));
+    let mut c = fleet(8);
+    let mut spread = 0;
+    for t in 0..400u64 {
+        let h = hashes(7, 64);
+        for cand in c.iter_mut() {
+            cand.cache = if cand.worker == w(0) { gpu(64) } else { gpu(0) };
+        }
+        let d = p.select(&ctx(&h, t), &c, Duration::ZERO);
+        assert_complete(&d, &c);
+        if d.reason == Reason::PrefixSpread {
+            spread += 1;
+        }
+        let chosen = d.chosen().unwrap();
+        let cand = c.iter_mut().find(|x| x.worker == chosen).unwrap();
+        cand.load.in_flight += 1;
+        let total: f64 = c.iter().map(|x| x.load.outstanding()).sum();
+        let max = c.iter().map(|x| x.load.outstanding()).fold(0.0, f64::max);
+        assert!(
+            max <= (cap * (total / 8.0)).max((total / 8.0).ceil()) + 1.0,
+            "request {t}: busiest worker has {max} of {total}"
+        );
+    }
+    assert!(spread > 100, "the hot prefix was spread {spread} times");
+    let on_zero = c[0].load.in_flight;
+    assert!(
+        (50..=63).contains(&on_zero),
+        "worker 0 took {on_zero} of 400"
+    );
+}
+
+#[test]
+fn unscorable_workers_are_routed_by_load_only() {
+    let h = hashes(1, 40);
+    let mut c = fleet(2);
+    c[0].cache = gpu(40);
+    c[0].scorable = false;
+    c[1].load.running = 1;
+    let d = precise().select(&ctx(&h, 0), &c, Duration::ZERO);
+    assert_eq!(d.chosen(), Some(w(0)));
+    assert_eq!(d.reason, Reason::NoCache);
+    assert_eq!(d.scores[0].gpu_blocks, 0);
+    assert!(!d.scores[0].scorable);
+}
+
+#[test]
+fn offloaded_blocks_count_at_a_discount() {
+    let h = hashes(1, 40);
+    let mut c = fleet(3);
+    c[0].cache = gpu(20);
+    c[1].cache = TierCounts {
+        gpu: 0,
+        cpu: 30,
+        storage: 0,
+        any: 30,
+    };
+    c[2].cache = TierCounts {
+        gpu: 0,
+        cpu: 45,
+        storage: 0,
+        any: 45,
+    };
+    let d = precise().select(&ctx(&h, 0), &c, Duration::ZERO);
+    // 20 GPU blocks beat 30 CPU blocks at half credit (15), lose to 45 at half credit (22.5).
+    assert_eq!(d.ranked, vec![w(2), w(0), w(1)]);
+    assert_eq!(d.scores[0].offloaded_blocks, 45);
+}
+
+#[test]
+fn speculation_keeps_a_burst_together_until_it_expires() {
+    let mut p = precise();
+    let c = fleet(4);
+    let h = hashes(3, 32);
+    let t0 = Duration::from_secs(10);
+    let first = p.select(&ctx(&h, 1), &c, t0);
+    assert_eq!(first.reason, Reason::NoCache);
+    p.apply(&first, &h, t0);
+    let target = first.chosen().unwrap();
+
+    // The same conversation again, before any event arrived, from a different ticket.
+    let second = p.select(&ctx(&h, 2), &c, t0 + Duration::from_millis(500));
+    assert_eq!(second.chosen(), Some(target));
+    assert_eq!(second.reason, Reason::CachedPrefix);
+    assert_eq!(second.scores[0].speculative_blocks, 32);
+
+    // Once the TTL has passed the entry is gone and rotation takes over again.
+    let late = t0 + PreciseConfig::default().speculative_ttl + Duration::from_millis(1);
+    let third = p.select(&ctx(&h, 2), &c, late);
+    assert_eq!(third.reason, Reason::NoCache);
+    assert_eq!(third.scores[0].speculative_blocks, 0);
+    p.expire(late);
+    assert_eq!(p.tracked_entries(), 0);
+}
+
+#[test]
+fn speculation_does_not_double_count_confirmed_blocks() {
+    let mut p = precise();
+    let mut c = fleet(2);
+    let h = hashes(4, 10);
+    let d = p.select(&ctx(&h, 0), &c, Duration::ZERO);
+    p.apply(&d, &h, Duration::ZERO);
+    let chosen = d.chosen().unwrap();
+    for cand in c.iter_mut() {
+        if cand.worker == chosen {
+            cand.cache = gpu(6);
+        }
+    }
+    let d2 = p.select(&ctx(&h, 1), &c, Duration::from_millis(1));
+    assert_eq!(d2.scores[0].gpu_blocks, 10);
+    assert_eq!(d2.scores[0].speculative_blocks, 4);
+}
+
+#[test]
+fn approximate_learns_from_what_it_routed() {
+    let mut p = Policy::new(PolicyConfig::Approximate(ApproximateConfig::default()));
+    let mut c = fleet(4);
+    for x in c.iter_mut() {
+        x.cache = gpu(99); // ignored: the approximate policy does not read the index
+    }
+    let h = hashes(5, 20);
+    let d = p.select(&ctx(&h, 3), &c, Duration::ZERO);
+    assert_eq!(d.reason, Reason::NoCache);
+    p.apply(&d, &h, Duration::ZERO);
+    let longer: Vec<BlockHash> = h.iter().copied().chain(hashes(6, 5)).collect();
+    let d2 = p.select(&ctx(&longer, 0), &c, Duration::from_secs(60));
+    assert_eq!(d2.chosen(), d.chosen());
+    assert_eq!(d2.scores[0].gpu_blocks, 20);
+    assert_eq!(d2.policy, "approximate");
+    let after = ApproximateConfig::default().ttl + Duration::from_secs(1);
+    let d3 = p.select(&ctx(&longer, 0), &c, after);
+    assert_eq!(d3.reason, Reason::NoCache);
+}
+
+#[test]
+fn round_robin_cycles_by_ticket() {
+    let p = Policy::new(PolicyConfig::RoundRobin);
+    let mut c = fleet(3);
+    c[0].load.running = 50;
+    let picks: Vec<_> = (0..6)
+        .map(|t| p.select(&ctx(&[], t), &c, Duration::ZERO).chosen().unwrap())
+        .collect();
+    assert_eq!(picks, vec![w(0), w(1), w(2), w(0), w(1), w(2)]);
+}
+
+#[test]
+fn least_load_picks_the_idlest_and_rotates_ties() {
+    let p = Policy::new(PolicyConfig::LeastLoad);
+    let mut c = fleet(3);
+    c[0].load.running = 2;
+    c[1].load = Load {
+        waiting: 1,
+        ..Load::default()
+    };
+    c[2].load.in_flight = 1;
+    let d = p.select(&ctx(&[], 0), &c, Duration::ZERO);
+    assert_eq!(d.reason, Reason::LeastLoad);
+    assert_eq!(*d.ranked.last().unwrap(), w(0));
+    let firsts: Vec<_> = (0..3)
+        .map(|t| p.select(&ctx(&[], t), &c, Duration::ZERO).chosen().unwrap())
+        .collect();
+    assert!(firsts.contains(&w(1)) && firsts.contains(&w(2)));
+}
+
+#[test]
+fn session_affinity_is_stable_and_moves_only_sessions_of_a_leaving_worker() {
+    let p = Policy::new(PolicyConfig::SessionAffinity);
+    let c = fleet(5);
+    let keys: Vec<String> = (0..200).map(|i| format!("user-{i}")).collect();
+    let pick = |cands: &[Candidate], key: &str, t: u64| {
+        let r = RequestCtx {
+            session: Some(key),
+            ..ctx(&[], t)
+        };
+        p.select(&r, cands, Duration::ZERO).chosen().unwrap()
+    };
+    let before: Vec<_> = keys.iter().map(|k| pick(&c, k, 0)).collect();
+    for (k, b) in keys.iter().zip(&before) {
+        assert_eq!(pick(&c, k, 17), *b, "same session, other ticket");
+    }
+    let mut counts = [0usize; 5];
+    for b in &before {
+        counts[b.replica.0 as usize] += 1;
+    }
+    assert!(
+        counts.iter().all(|&n| n >= 15),
+        "sessions spread: {counts:?}"
+    );
+    let fewer: Vec<Candidate> = c.iter().copied().filter(|x| x.worker != w(3)).collect();
+    for (k, b) in keys.iter().zip(&before) {
+        let now = pick(&fewer, k, 0);
+        if *b != w(3) {
+            assert_eq!(now, *b, "{k} moved although its worker stayed");
+        }
+    }
+    let none = p.select(&ctx(&[], 0), &c, Duration::ZERO);
+    assert_eq!(none.reason, Reason::NoSession);
+}
+
+#[test]
+fn no_candidates_gives_an_empty_decision() {
+    let d = precise().select(&ctx(&hashes(1, 3), 0), &[], Duration::ZERO);
+    assert!(d.chosen().is_none());
+    assert_eq!(d.reason, Reason::NoCandidates);
+}
+
+#[test]
+fn decision_serializes_for_explanation() {
+    let h = hashes(1, 3);
+    let mut c = fleet(2);
+    c[1].cache = gpu(3);
+    let d = precise().select(&ctx(&h, 0), &c, Duration::ZERO);
+    let v = serde_json::to_value(&d).unwrap();
+    assert_eq!(v["reason"], "cached_prefix");
+    assert_eq!(v["ranked"][0], w(1).to_string());
+    assert_eq!(v["scores"][0]["gpu_blocks"], 3);
+    assert_eq!(v["policy"], "precise");
+}
+
+#[test]
+fn config_defaults_unknown_fields_and_all_errors_at_once() {
+    let p: PolicyConfig = serde_json::from_str(r#"{"kind":"precise"}"#).unwrap();
+    assert_eq!(p, PolicyConfig::default());
+    let p: PolicyConfig =
+        serde_json::from_str(r#"{"kind":"precise","speculative_ttl_ms":500,"fair_share_cap":1.5}"#)
+            .unwrap();
+    match &p {
+        PolicyConfig::Precise(c) => {
+            assert_eq!(c.speculative_ttl, Duration::from_millis(500));
+            assert_eq!(c.fair_share_cap, 1.5);
+        }
+        other => panic!("{other:?}"),
+    }
+    let a: PolicyConfig = serde_json::from_str(
+        r#"{"kind":"approximate","ttl_ms":1000,"scoring":{"load_weight_tokens":10}}"#,
+    )
+    .unwrap();
+    match &a {
+        PolicyConfig::Approximate(c) => {
+            assert_eq!(c.ttl, Duration::from_secs(1));
+            assert_eq!(c.scoring.load_weight_tokens, 10.0);
+        }
+        other => panic!("{other:?}"),
+    }
+    let rr: PolicyConfig = serde_json::from_str(r#"{"kind":"round-robin"}"#).unwrap();
+    assert_eq!(rr.name(), "round-robin");
+    assert!(serde_json::from_str::<PolicyConfig>(r#"{"kind":"precise","bogus":1}"#).is_err());
+    assert!(serde_json::from_str::<PolicyConfig>(r#"{"kind":"fastest"}"#).is_err());
+
+    let bad = PolicyConfig::Precise(PreciseConfig {
+        fair_share_cap: 0.5,
+        load_weight_tokens: -1.0,
+        kv_pressure_threshold: 2.0,
+        ..PreciseConfig::default()
+    });
+    let errs = bad.validate();
+    let fields: Vec<_> = errs.iter().map(|e| e.field).collect();
+    assert_eq!(
+        fields,
+        vec![
+            "load_weight_tokens",
+            "fair_share_cap",
+            "kv_pressure_threshold"
+        ]
+    );
+    assert!(PolicyConfig::default().validate().is_empty());
+    for name in [
+        "precise",
+        "approximate",
+        "round-robin",
+        "least-load",
+        "session-affinity",
+    ] {
+        assert_eq!(PolicyConfig::from_name(name).unwrap().name(), name);
+    }
+    assert!(PolicyConfig::from_name("random").is_none());
+}
