@@ -1,4 +1,5 @@
-//! vLLM's contracts as pure Rust: identifiers, block hashing and the KV-event wire format.
+//! vLLM's contracts as pure Rust: identifiers, block hashing, the KV-event wire format and the
+//! Prometheus metrics a router reads.
 //!
 //! Invariants (see `docs/hashing.md`): a [`BlockHash`] is only comparable within one
 //! (model, block size, hash algorithm, NONE_HASH seed, extra keys) space; the event value is the
@@ -7,6 +8,7 @@
 pub mod events;
 pub mod hashing;
 pub mod ids;
+pub mod metrics;
 
 pub use events::codec::{
     decode_batch, decode_batch_with_stats, encode_batch, encode_batch_into, DecodeError,
