@@ -9,6 +9,7 @@
 //! [`PrefixTracker::expire`], so lookups never mutate.
 
 use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Duration;
 
 use kinference_index::WorkerId;
@@ -20,7 +21,7 @@ pub struct PrefixTracker {
     ttl: Duration,
     capacity: usize,
     /// Per block: (worker, deadline, stamp of the insertion that set the deadline).
-    live: HashMap<BlockHash, Vec<(WorkerId, Duration, u64)>>,
+    live: HashMap<BlockHash, Vec<(WorkerId, Duration, u64)>, BuildHasherDefault<MixHasher>>,
     /// Every insertion in deadline order (one TTL for all, and time only moves forward).
     /// An element is stale when the pair's current stamp differs (it was refreshed since).
     order: VecDeque<(Duration, u64, BlockHash, WorkerId)>,
@@ -33,7 +34,7 @@ impl PrefixTracker {
         PrefixTracker {
             ttl,
             capacity: capacity.max(1),
-            live: HashMap::new(),
+            live: HashMap::default(),
             order: VecDeque::new(),
             len: 0,
             stamp: 0,
@@ -173,5 +174,29 @@ impl PrefixTracker {
             live.get(&h)
                 .is_some_and(|hs| hs.iter().any(|&(w, _, s)| w == worker && s == stamp))
         });
+    }
+}
+
+/// Block hashes are already uniformly distributed digests: one multiply spreads them over the
+/// table, where SipHash would cost more than the rest of a lookup. Not DoS-resistant — the keys
+/// come from vLLM's hashing (SHA-256 or XXH3 of the prompt) — so a client cannot choose them
+/// without breaking the digest.
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct MixHasher(u64);
+
+impl Hasher for MixHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, v: u64) {
+        self.0 = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        self.0 ^= self.0 >> 29;
     }
 }
