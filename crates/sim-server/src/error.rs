@@ -9,11 +9,15 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum ServerError {
     #[error("engine config: {0}")]
-    Config(#[from] kinference_sim::ConfigError),
+    Engine(#[from] kinference_sim::ConfigError),
     #[error("tokenizer: {0}")]
     Tokenizer(#[from] kinference_tokenize::TokenizeError),
     #[error("zmq: {0}")]
     Zmq(String),
+    #[error("endpoint {endpoint}: {reason}")]
+    Endpoint { endpoint: String, reason: String },
+    #[error("{0}")]
+    Config(String),
     #[error("io: {0}")]
     Io(#[from] std::io::Error),
 }

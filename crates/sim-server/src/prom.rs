@@ -14,59 +14,80 @@ pub struct CacheInfo {
     pub prefix_caching_hash_algo: String,
 }
 
-/// Renders the exposition text for one engine.
-pub fn render(model: &str, engine: i64, cache: &CacheInfo, m: &EngineMetrics) -> String {
-    let labels = format!("engine=\"{engine}\",model_name=\"{}\"", escape(model));
+/// One engine's metrics, labelled with its DP rank.
+#[derive(Clone, Debug)]
+pub struct EngineSnapshot {
+    pub rank: i64,
+    pub metrics: EngineMetrics,
+}
+
+/// Renders the exposition text for every engine of a replica: each metric family once, with
+/// one series per engine (label `engine` = DP rank), as vLLM's logger exposes DP engines.
+pub fn render(model: &str, cache: &CacheInfo, engines: &[EngineSnapshot]) -> String {
+    let model = escape(model);
+    let labels: Vec<String> = engines
+        .iter()
+        .map(|e| format!("engine=\"{}\",model_name=\"{model}\"", e.rank))
+        .collect();
+    let series = |f: &dyn Fn(&EngineMetrics) -> f64| -> Vec<(String, f64)> {
+        engines
+            .iter()
+            .zip(&labels)
+            .map(|(e, l)| (l.clone(), f(&e.metrics)))
+            .collect()
+    };
     let mut out = String::new();
     gauge(
         &mut out,
         "vllm:num_requests_running",
         "Number of requests in model execution batches.",
-        &labels,
-        m.num_running as f64,
+        &series(&|m| m.num_running as f64),
     );
     gauge(
         &mut out,
         "vllm:num_requests_waiting",
         "Number of requests waiting to be processed.",
-        &labels,
-        m.num_waiting as f64,
+        &series(&|m| m.num_waiting as f64),
     );
     gauge(
         &mut out,
         "vllm:kv_cache_usage_perc",
         "KV-cache usage. 1 means 100 percent usage.",
-        &labels,
-        m.kv_cache_usage,
+        &series(&|m| m.kv_cache_usage),
     );
-    let info = format!(
-        "block_size=\"{}\",enable_prefix_caching=\"{}\",engine=\"{engine}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"{}\"",
-        cache.block_size,
-        if cache.enable_prefix_caching { "True" } else { "False" },
-        cache.num_gpu_blocks,
-        escape(&cache.prefix_caching_hash_algo),
-    );
+    let info: Vec<(String, f64)> = engines
+        .iter()
+        .map(|e| {
+            let l = format!(
+                "block_size=\"{}\",enable_prefix_caching=\"{}\",engine=\"{}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"{}\"",
+                cache.block_size,
+                if cache.enable_prefix_caching { "True" } else { "False" },
+                e.rank,
+                cache.num_gpu_blocks,
+                escape(&cache.prefix_caching_hash_algo),
+            );
+            (l, 1.0)
+        })
+        .collect();
     gauge(
         &mut out,
         "vllm:cache_config_info",
         "Information of the LLMEngine CacheConfig",
         &info,
-        1.0,
     );
-    counters(&mut out, &labels, m);
-    histograms(&mut out, &labels, m);
+    counters(&mut out, &labels, engines);
+    histograms(&mut out, &labels, engines);
     out
 }
 
-fn gauge(out: &mut String, name: &str, help: &str, labels: &str, v: f64) {
-    let _ = writeln!(
-        out,
-        "# HELP {name} {help}\n# TYPE {name} gauge\n{name}{{{labels}}} {v:?}"
-    );
+fn gauge(out: &mut String, name: &str, help: &str, series: &[(String, f64)]) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    for (labels, v) in series {
+        let _ = writeln!(out, "{name}{{{labels}}} {v:?}");
+    }
 }
 
-fn histogram(out: &mut String, name: &str, help: &str, labels: &str, h: &Histogram) {
-    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+fn histogram(out: &mut String, name: &str, labels: &str, h: &Histogram) {
     let cumulative = h.cumulative();
     for (i, bound) in h.bounds.iter().enumerate() {
         let c = cumulative.get(i).copied().unwrap_or(h.count);
@@ -83,94 +104,100 @@ fn escape(s: &str) -> String {
         .replace('\n', "\\n")
 }
 
-fn counters(out: &mut String, labels: &str, m: &EngineMetrics) {
-    let counters: [(&str, &str, u64); 6] = [
+fn counters(out: &mut String, labels: &[String], engines: &[EngineSnapshot]) {
+    type Get = fn(&EngineMetrics) -> u64;
+    let counters: [(&str, &str, Get); 5] = [
         (
             "vllm:prefix_cache_queries",
             "Prefix cache queries, in terms of number of queried tokens.",
-            m.prefix_cache_queries,
+            |m| m.prefix_cache_queries,
         ),
         (
             "vllm:prefix_cache_hits",
             "Prefix cache hits, in terms of number of cached tokens.",
-            m.prefix_cache_hits,
+            |m| m.prefix_cache_hits,
         ),
         (
             "vllm:num_preemptions",
             "Cumulative number of preemption from the engine.",
-            m.num_preemptions,
+            |m| m.num_preemptions,
         ),
         (
             "vllm:prompt_tokens",
             "Number of prefill tokens processed.",
-            m.prompt_tokens,
+            |m| m.prompt_tokens,
         ),
         (
             "vllm:generation_tokens",
             "Number of generation tokens processed.",
-            m.generation_tokens,
-        ),
-        (
-            "vllm:request_success",
-            "Count of successfully processed requests.",
-            m.requests_finished_length,
+            |m| m.generation_tokens,
         ),
     ];
-    for (name, help, v) in counters {
-        let l = if name == "vllm:request_success" {
-            format!("{labels},finished_reason=\"length\"")
-        } else {
-            labels.to_owned()
-        };
+    for (name, help, get) in counters {
         let _ = writeln!(
             out,
-            "# HELP {name}_total {help}\n# TYPE {name}_total counter\n{name}_total{{{l}}} {v}"
+            "# HELP {name}_total {help}\n# TYPE {name}_total counter"
         );
-        if name == "vllm:request_success" {
-            // vLLM counts aborted requests under the same counter with reason "abort".
-            let _ = writeln!(
-                out,
-                "{name}_total{{{labels},finished_reason=\"abort\"}} {}",
-                m.requests_aborted
-            );
+        for (e, l) in engines.iter().zip(labels) {
+            let _ = writeln!(out, "{name}_total{{{l}}} {}", get(&e.metrics));
+        }
+    }
+    let name = "vllm:request_success";
+    let _ = writeln!(
+        out,
+        "# HELP {name}_total Count of successfully processed requests.\n# TYPE {name}_total counter"
+    );
+    for (e, l) in engines.iter().zip(labels) {
+        let m = &e.metrics;
+        // vLLM counts aborted requests under the same counter with reason "abort".
+        for (reason, v) in [
+            ("stop", m.requests_finished_stop),
+            ("length", m.requests_finished_length),
+            ("abort", m.requests_aborted),
+        ] {
+            let _ = writeln!(out, "{name}_total{{{l},finished_reason=\"{reason}\"}} {v}");
         }
     }
 }
 
-fn histograms(out: &mut String, labels: &str, m: &EngineMetrics) {
-    let hists: [(&str, &str, &Histogram); 6] = [
+fn histograms(out: &mut String, labels: &[String], engines: &[EngineSnapshot]) {
+    type Get = fn(&EngineMetrics) -> &Histogram;
+    let hists: [(&str, &str, Get); 6] = [
         (
             "vllm:time_to_first_token_seconds",
             "Histogram of time to first token in seconds.",
-            &m.ttft,
+            |m| &m.ttft,
         ),
         (
             "vllm:inter_token_latency_seconds",
             "Histogram of inter-token latency in seconds.",
-            &m.itl,
+            |m| &m.itl,
         ),
         (
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
-            &m.e2e,
+            |m| &m.e2e,
         ),
         (
             "vllm:request_queue_time_seconds",
             "Histogram of time spent in WAITING phase for request.",
-            &m.queue_time,
+            |m| &m.queue_time,
         ),
         (
             "vllm:request_prefill_time_seconds",
             "Histogram of time spent in PREFILL phase for request.",
-            &m.prefill_time,
+            |m| &m.prefill_time,
         ),
         (
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
-            &m.decode_time,
+            |m| &m.decode_time,
         ),
     ];
-    for (name, help, h) in hists {
-        histogram(out, name, help, labels, h);
+    for (name, help, get) in hists {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        for (e, l) in engines.iter().zip(labels) {
+            histogram(out, name, l, get(&e.metrics));
+        }
     }
 }

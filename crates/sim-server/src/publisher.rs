@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use kinference_vllm::events::{codec, frames};
 use kinference_vllm::KvEventBatch;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
@@ -28,6 +28,9 @@ pub struct KvEventsConfig {
     pub topic: String,
     /// Batches kept for replay (vLLM's `buffer_steps`, 10,000 by default).
     pub buffer_steps: usize,
+    /// Batches queued between the engine and the socket (vLLM's `max_queue_size`, 100,000 by
+    /// default); the engine waits while the queue is full.
+    pub max_queue_size: usize,
 }
 
 impl KvEventsConfig {
@@ -37,8 +40,54 @@ impl KvEventsConfig {
             replay_endpoint: None,
             topic: String::new(),
             buffer_steps: 10_000,
+            max_queue_size: 100_000,
         }
     }
+
+    /// This config for DP rank offset `by` (vLLM's `offset_endpoint_port`), both endpoints.
+    pub fn offset(&self, by: u16) -> Result<KvEventsConfig, ServerError> {
+        let mut c = self.clone();
+        c.endpoint = offset_endpoint(&self.endpoint, by)?;
+        c.replay_endpoint = self
+            .replay_endpoint
+            .as_deref()
+            .map(|r| offset_endpoint(r, by))
+            .transpose()?;
+        Ok(c)
+    }
+}
+
+/// vLLM's `offset_endpoint_port` for tcp endpoints: the port plus `by` (rank r of a replica
+/// whose base port is P uses P + r). Offset 0 keeps the endpoint as given. Port 0 stays 0, so
+/// every rank binds its own ephemeral port (a simulator extension: vLLM has no base to add to
+/// and refuses it). Other transports cannot be offset (and only tcp is built in here).
+pub fn offset_endpoint(endpoint: &str, by: u16) -> Result<String, ServerError> {
+    if by == 0 {
+        return Ok(endpoint.to_owned());
+    }
+    let bad = |reason: &str| ServerError::Endpoint {
+        endpoint: endpoint.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if !endpoint.starts_with("tcp://") {
+        return Err(bad("only tcp endpoints can be offset per rank or replica"));
+    }
+    let (base, port) = endpoint
+        .rsplit_once(':')
+        .ok_or_else(|| bad("no port to offset"))?;
+    let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    if port == 0 {
+        return Ok(endpoint.to_owned());
+    }
+    let port = port
+        .checked_add(by)
+        .ok_or_else(|| bad("the offset port is past 65535"))?;
+    Ok(format!("{base}:{port}"))
+}
+
+/// The TCP port of an endpoint, if it names one.
+pub fn endpoint_port(endpoint: &str) -> Option<u16> {
+    endpoint.rsplit_once(':')?.1.parse().ok()
 }
 
 /// vLLM's rule: the PUB binds if the endpoint contains `*` or `::`, or is ipc/inproc.
@@ -77,18 +126,19 @@ fn message(frames: Vec<Bytes>) -> Option<ZmqMessage> {
     ZmqMessage::try_from(frames).ok()
 }
 
-/// Opens the sockets and spawns the publishing and replay tasks; batches sent on the returned
-/// channel go out in order.
-pub async fn start(
-    cfg: &KvEventsConfig,
-) -> Result<
-    (
-        mpsc::UnboundedSender<KvEventBatch>,
-        PublisherEndpoints,
-        Vec<JoinHandle<()>>,
-    ),
-    ServerError,
-> {
+/// A started publisher.
+#[derive(Debug)]
+pub struct Publisher {
+    /// Batches sent here go out in order.
+    pub batches: mpsc::Sender<KvEventBatch>,
+    pub endpoints: PublisherEndpoints,
+    /// Batches published so far (buffered for replay and sent on the PUB socket).
+    pub published: watch::Receiver<u64>,
+    pub tasks: Vec<JoinHandle<()>>,
+}
+
+/// Opens the sockets and spawns the publishing and replay tasks.
+pub async fn start(cfg: &KvEventsConfig) -> Result<Publisher, ServerError> {
     let mut socket = PubSocket::new();
     let events = if publisher_binds(&cfg.endpoint) {
         let ep = socket
@@ -113,23 +163,29 @@ pub async fn start(
             cfg.topic.clone(),
         )));
     }
-    let (tx, rx) = mpsc::unbounded_channel();
+    let (tx, rx) = mpsc::channel(cfg.max_queue_size.max(1));
+    let (published_tx, published) = watch::channel(0);
     tasks.push(tokio::spawn(publish(
         socket,
         rx,
         buffer,
-        cfg.topic.clone(),
-        cfg.buffer_steps.max(1),
+        (cfg.topic.clone(), cfg.buffer_steps.max(1)),
+        published_tx,
     )));
-    Ok((tx, PublisherEndpoints { events, replay }, tasks))
+    Ok(Publisher {
+        batches: tx,
+        endpoints: PublisherEndpoints { events, replay },
+        published,
+        tasks,
+    })
 }
 
 async fn publish(
     mut socket: PubSocket,
-    mut rx: mpsc::UnboundedReceiver<KvEventBatch>,
+    mut rx: mpsc::Receiver<KvEventBatch>,
     buffer: Buffer,
-    topic: String,
-    capacity: usize,
+    (topic, capacity): (String, usize),
+    published: watch::Sender<u64>,
 ) {
     let mut seq: u64 = 0;
     while let Some(batch) = rx.recv().await {
@@ -148,6 +204,7 @@ async fn publish(
             }
         }
         seq += 1;
+        published.send_replace(seq);
     }
     let _ = socket.close().await;
 }

@@ -32,13 +32,8 @@ fn tokenizer_dir() -> PathBuf {
 async fn start(kv_events: Option<KvEventsConfig>) -> Server {
     let mut engine = EngineConfig::small(200, 32);
     engine.max_model_len = 2048;
-    let cfg = ServerConfig {
-        model: "tiny".into(),
-        engine,
-        tokenizer_dir: tokenizer_dir(),
-        speedup: 1000.0,
-        kv_events,
-    };
+    let mut cfg = ServerConfig::new("tiny", engine, tokenizer_dir(), 1000.0);
+    cfg.kv_events = kv_events;
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     Server::start(cfg, listener).await.unwrap()
 }

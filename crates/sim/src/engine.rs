@@ -147,6 +147,9 @@ impl EngineConfig {
 pub enum FinishReason {
     /// Reached `max_tokens` or `max_model_len` (the simulator never samples a stop token).
     Length,
+    /// Stopped by the caller on a stop condition it checks itself (vLLM's frontend matches
+    /// stop strings on detokenized text and then aborts the request in the engine core).
+    Stop,
     /// Aborted by the caller (a client disconnect).
     Abort,
 }
@@ -155,6 +158,7 @@ impl FinishReason {
     pub fn as_str(self) -> &'static str {
         match self {
             FinishReason::Length => "length",
+            FinishReason::Stop => "stop",
             FinishReason::Abort => "abort",
         }
     }
@@ -326,6 +330,18 @@ impl Engine {
         true
     }
 
+    /// Finishes a request early with [`FinishReason::Stop`] (a stop string matched) and frees
+    /// its blocks (they stay cached). Counted as a finished request, as vLLM's frontend counts
+    /// it, with latencies ending at its last token (or `now` if it has none). `None` if the id
+    /// is unknown or already finished.
+    pub fn stop(&mut self, request_id: &str, now: SimTime) -> Option<Finished> {
+        let slot = self.sched.slot_of(request_id)?;
+        let mut st = self.sched.remove(slot)?;
+        self.kv.free(&mut self.pool, &mut st);
+        let end = st.last_token.unwrap_or(now);
+        Some(finish(&mut self.metrics, &st, end, FinishReason::Stop))
+    }
+
     /// vLLM's `reset_prefix_cache` without preempting anyone: refused while any request holds
     /// blocks; on success one `AllBlocksCleared` goes out with the next step's batch.
     pub fn reset_prefix_cache(&mut self) -> Result<(), ResetError> {
@@ -434,7 +450,7 @@ impl Engine {
         let slots: Vec<usize> = done.iter().map(|d| d.0).collect();
         for (slot, mut st) in self.sched.remove_finished(&slots) {
             self.kv.free(&mut self.pool, &mut st);
-            let fin = finish(&mut self.metrics, &st, end);
+            let fin = finish(&mut self.metrics, &st, end, FinishReason::Length);
             let at = done.iter().find(|d| d.0 == slot).map(|d| d.1);
             if let Some(o) = at.and_then(|i| outputs.get_mut(i)) {
                 o.finished = Some(fin);
@@ -515,8 +531,12 @@ fn record_token(m: &mut EngineMetrics, req: &mut ReqState, end: SimTime) {
     req.last_token = Some(end);
 }
 
-fn finish(m: &mut EngineMetrics, st: &ReqState, end: SimTime) -> Finished {
-    m.requests_finished_length += 1;
+fn finish(m: &mut EngineMetrics, st: &ReqState, end: SimTime, reason: FinishReason) -> Finished {
+    match reason {
+        FinishReason::Stop => m.requests_finished_stop += 1,
+        FinishReason::Abort => m.requests_aborted += 1,
+        FinishReason::Length => m.requests_finished_length += 1,
+    }
     m.e2e
         .observe(end.saturating_since(st.arrival).as_secs_f64());
     if let Some(s) = st.first_scheduled {
@@ -530,7 +550,7 @@ fn finish(m: &mut EngineMetrics, st: &ReqState, end: SimTime) -> Finished {
         m.decode_time.observe(end.saturating_since(f).as_secs_f64());
     }
     Finished {
-        reason: FinishReason::Length,
+        reason,
         usage: Usage {
             prompt_tokens: st.num_prompt,
             completion_tokens: st.num_output(),

@@ -90,6 +90,9 @@ pub struct EngineMetrics {
     pub generation_tokens: u64,
     /// `vllm:request_success{finished_reason="length"}`.
     pub requests_finished_length: u64,
+    /// `vllm:request_success{finished_reason="stop"}` (stopped by the caller, see
+    /// `Engine::stop`).
+    pub requests_finished_stop: u64,
     /// `vllm:request_success{finished_reason="abort"}`.
     pub requests_aborted: u64,
     pub steps: u64,
@@ -115,6 +118,7 @@ impl EngineMetrics {
             prompt_tokens: 0,
             generation_tokens: 0,
             requests_finished_length: 0,
+            requests_finished_stop: 0,
             requests_aborted: 0,
             steps: 0,
             ttft: Histogram::new(TIME_TO_FIRST_TOKEN_BUCKETS),

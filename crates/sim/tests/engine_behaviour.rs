@@ -256,6 +256,38 @@ fn abort_frees_blocks_and_keeps_them_cached() {
 }
 
 #[test]
+fn stop_finishes_early_frees_blocks_and_counts_as_stop() {
+    let mut e = engine(32, 4);
+    e.add_request(Request::new("s", prompt(4, 20), 100), SimTime::ZERO)
+        .unwrap();
+    let mut now = SimTime::ZERO;
+    for _ in 0..3 {
+        now = e.step(now).finished_at;
+    }
+    let cached_before = e.block_pool().cached_blocks().len();
+    let fin = e.stop("s", now).unwrap();
+    assert!(e.stop("s", now).is_none(), "already finished");
+    assert_eq!(fin.reason, kinference_sim::FinishReason::Stop);
+    assert_eq!(fin.usage.prompt_tokens, 20);
+    assert_eq!(fin.usage.completion_tokens, 3);
+    assert_eq!(fin.finished_at, now, "ends at its last token");
+    assert_eq!(e.block_pool().num_free(), 31);
+    assert_eq!(e.block_pool().cached_blocks().len(), cached_before);
+    let m = e.metrics();
+    assert_eq!(
+        (
+            m.requests_finished_stop,
+            m.requests_aborted,
+            m.requests_finished_length
+        ),
+        (1, 0, 0)
+    );
+    assert_eq!(m.e2e.count, 1);
+    assert!(!e.has_work());
+    e.check_invariants().unwrap();
+}
+
+#[test]
 fn reset_prefix_cache_emits_one_all_blocks_cleared() {
     let mut e = engine(32, 4);
     e.add_request(Request::new("a", prompt(1, 20), 5), SimTime::ZERO)

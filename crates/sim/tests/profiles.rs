@@ -80,3 +80,28 @@ fn the_bigger_model_is_slower_per_token() {
     let big = TimingModel::from_profile(&Profile::builtin("codellama-34b-h100x2").unwrap());
     assert!(big.prefill_seconds(4096) > small.prefill_seconds(4096));
 }
+
+/// The 8B profile's linear (non-attention) prefill term against an independent measurement at
+/// the same model width: Vidur's Llama-2-7B per-operator profile on H100 (TP1, 4096 tokens),
+/// which no profile was fitted to (source and arithmetic in llama-3.1-8b-h100x1.toml). No
+/// published vLLM prefill throughput of Llama-3.1-8B itself on one H100 was found.
+#[test]
+fn llama_8b_linear_term_matches_vidur_llama2_7b_on_h100() {
+    let mut p = Profile::builtin("llama-3.1-8b-h100x1").unwrap();
+    // Llama-2-7B: multi-head attention (32 KV heads), intermediate 11008, vocab 32000.
+    p.model.num_kv_heads = 32;
+    p.model.intermediate_size = 11008;
+    p.model.vocab_size = 32000;
+    assert_eq!(p.model.params_per_layer(), 202_375_168);
+    let per_layer_ms = [
+        0.0665, 0.584, 0.0835, 0.193, 0.067, 0.987, 0.139, 0.441, 0.031,
+    ];
+    let layer_s: f64 = per_layer_ms.iter().sum::<f64>() * 1e-3;
+    let published = 4096.0 / (32.0 * layer_s);
+    assert!((published - 49_383.0).abs() < 1.0, "{published}");
+    let model = TimingModel::from_profile(&p);
+    let predicted = 4096.0 / model.linear_seconds(4096);
+    let dev = predicted / published - 1.0;
+    eprintln!("Llama-2-7B shapes, H100 TP1, 4096 tokens: model {predicted:.0}, Vidur {published:.0} ({:+.1}%)", dev * 100.0);
+    assert!(dev.abs() <= 0.10, "{predicted} vs {published}");
+}
