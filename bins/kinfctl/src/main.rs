@@ -6,6 +6,8 @@
 //! with `--tokenizer DIR` (`--prompt` for completions, `--messages` for chat), tokenized exactly
 //! as vLLM would.
 
+mod doctor;
+
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -34,6 +36,9 @@ enum Command {
     Hash(HashArgs),
     /// Decode KV-event captures: raw msgpack payloads or length-prefixed multipart messages.
     DecodeEvents(DecodeArgs),
+    /// Check against a live replica that the router's hashing agrees with it, and if not, why.
+    /// Exits with 1 when the hashes differ.
+    Doctor(doctor::DoctorArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -141,15 +146,30 @@ fn parse_mm(s: &str) -> Result<MmItem, String> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Quiet unless RUST_LOG asks: the commands' output is their report.
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(io::stderr)
+        .init();
     let stdout = io::stdout();
     let mut out = BufWriter::new(stdout.lock());
+    let mut verdict = ExitCode::SUCCESS;
     let result = match cli.command {
         Command::Hash(args) => run_hash(&args, &mut out),
         Command::DecodeEvents(args) => run_decode(&args, &mut out),
+        Command::Doctor(args) => doctor::run(&args).and_then(|(ok, text)| {
+            if !ok {
+                verdict = ExitCode::FAILURE;
+            }
+            out.write_all(text.as_bytes()).context("writing to stdout")
+        }),
     };
     let flushed = out.flush().context("writing to stdout");
     match result.and(flushed) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(()) => verdict,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE

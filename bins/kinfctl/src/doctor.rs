@@ -1,0 +1,660 @@
+//! `kinfctl doctor`: checks, against one live replica, that a router configured like this
+//! would reproduce the replica's block hashes — and if not, says which setting differs.
+//!
+//! Steps: read the replica's cache config from `/metrics`; tokenize a unique probe locally and
+//! through `/tokenize`; subscribe to the replica's KV events (endpoint given, or discovered
+//! through `/kv_event_sources`); send the probe (as token ids, so hashing is checked apart
+//! from tokenization); wait until the index built from the events holds the probe's blocks
+//! under the hashes computed here; send it again and compare the replica's `cached_tokens`
+//! with the index's prediction. On a mismatch, the hashes of other algorithms, block sizes and
+//! seeds are tried against what arrived to name the cause.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use kinference_events::{EventPlane, EventPlaneConfig, WorkerConfig};
+use kinference_index::{ReplicaId, WorkerId};
+use kinference_tokenize::Tokenizer;
+use kinference_vllm::metrics::ReplicaMetrics;
+use kinference_vllm::{
+    BlockHash, BlockHasher, DpRank, ExtraKeysFormat, HashAlgo, RequestExtras, Tier,
+};
+use serde::Serialize;
+use serde_json::{json, Value};
+
+#[derive(Debug, clap::Args)]
+pub struct DoctorArgs {
+    /// The replica's base URL, e.g. http://10.0.0.7:8000.
+    #[arg(long)]
+    replica: String,
+    /// The router's tokenizer directory for this pool: compared with the replica's /tokenize.
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// The model name to send (default: the first one the replica serves).
+    #[arg(long)]
+    model: Option<String>,
+    /// The router's block size for this pool (default: the replica's).
+    #[arg(long)]
+    block_size: Option<usize>,
+    /// The router's hash algorithm for this pool (default: the replica's).
+    #[arg(long)]
+    algo: Option<HashAlgo>,
+    /// The router's seed (the replica's PYTHONHASHSEED), if any.
+    #[arg(long)]
+    seed: Option<String>,
+    /// tagged (vLLM 0.34) or untagged (vLLM ≤ 0.24) extra keys.
+    #[arg(long, default_value = "tagged")]
+    extra_keys_format: ExtraKeysFormat,
+    /// The replica's KV-event endpoint as configured on the replica (`tcp://*:5557`: it binds
+    /// and we connect; `tcp://HOST:PORT`: it connects and we bind). Default: /kv_event_sources.
+    #[arg(long)]
+    events: Option<String>,
+    /// The replica's replay endpoint (default: /kv_event_sources).
+    #[arg(long)]
+    replay: Option<String>,
+    /// The replica's event topic.
+    #[arg(long, default_value = "")]
+    topic: String,
+    /// How long to wait for the replica's events.
+    #[arg(long, default_value_t = 20)]
+    timeout_secs: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Ok,
+    Warn,
+    Fail,
+    Skip,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub status: Status,
+    pub detail: String,
+}
+
+#[derive(Debug, Default, Serialize)]
+pub struct Report {
+    pub replica: String,
+    pub checks: Vec<Check>,
+    /// True when the probe's blocks arrived under the router's hashes.
+    pub hashes_match: bool,
+}
+
+impl Report {
+    fn push(&mut self, name: &'static str, status: Status, detail: impl Into<String>) {
+        self.checks.push(Check {
+            name,
+            status,
+            detail: detail.into(),
+        });
+    }
+
+    pub fn render(&self) -> String {
+        let mut s = format!("replica {}\n", self.replica);
+        for c in &self.checks {
+            let tag = match c.status {
+                Status::Ok => "ok  ",
+                Status::Warn => "warn",
+                Status::Fail => "FAIL",
+                Status::Skip => "skip",
+            };
+            s.push_str(&format!("{tag}  {:<9} {}\n", c.name, c.detail));
+        }
+        s.push_str(if self.hashes_match {
+            "verdict: a router with these settings reproduces this replica's block hashes\n"
+        } else {
+            "verdict: a router with these settings would NOT reproduce this replica's block hashes\n"
+        });
+        s
+    }
+}
+
+pub fn run(args: &DoctorArgs) -> Result<(bool, String)> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    let report = rt.block_on(diagnose(args))?;
+    let text = if args.json {
+        serde_json::to_string_pretty(&report)? + "\n"
+    } else {
+        report.render()
+    };
+    Ok((report.hashes_match, text))
+}
+
+/// Runs every check against the replica.
+pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
+    let base = args.replica.trim_end_matches('/').to_owned();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(args.timeout_secs.max(1)))
+        .build()?;
+    let mut report = Report {
+        replica: base.clone(),
+        ..Report::default()
+    };
+
+    // 1. Reachable, and which model.
+    let models: Value = get_json(&http, &format!("{base}/v1/models")).await?;
+    let served: Vec<String> = models["data"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| m["id"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let model = match (&args.model, served.first()) {
+        (Some(m), _) if served.contains(m) => m.clone(),
+        (Some(m), _) => bail!("the replica does not serve model {m:?} (it serves {served:?})"),
+        (None, Some(m)) => m.clone(),
+        (None, None) => bail!("the replica's /v1/models lists no model"),
+    };
+    report.push(
+        "replica",
+        Status::Ok,
+        format!("serves {served:?}; probing {model:?}"),
+    );
+
+    // 2. Cache configuration from /metrics, against the router's settings.
+    let metrics_text = http
+        .get(format!("{base}/metrics"))
+        .send()
+        .await?
+        .error_for_status()?
+        .text()
+        .await?;
+    let cache = ReplicaMetrics::from_exposition(&metrics_text)
+        .cache_config
+        .unwrap_or_default();
+    let replica_algo = cache
+        .prefix_caching_hash_algo
+        .as_deref()
+        .and_then(|a| a.parse::<HashAlgo>().ok());
+    let block_size = match (args.block_size, cache.block_size) {
+        (Some(ours), Some(theirs)) if ours != theirs => {
+            report.push(
+                "config",
+                Status::Fail,
+                format!("block size: router {ours}, replica {theirs} (vllm:cache_config_info)"),
+            );
+            ours
+        }
+        (Some(ours), _) => ours,
+        (None, Some(theirs)) => theirs,
+        (None, None) => bail!(
+            "the replica publishes no block_size in vllm:cache_config_info; pass --block-size"
+        ),
+    };
+    let algo = match (args.algo, replica_algo) {
+        (Some(ours), Some(theirs)) if ours != theirs => {
+            report.push(
+                "config",
+                Status::Fail,
+                format!(
+                    "hash algorithm: router {}, replica {}",
+                    ours.as_str(),
+                    theirs.as_str()
+                ),
+            );
+            ours
+        }
+        (Some(ours), _) => ours,
+        (None, Some(theirs)) => theirs,
+        (None, None) => HashAlgo::Sha256,
+    };
+    if cache.enable_prefix_caching == Some(false) {
+        report.push(
+            "config",
+            Status::Fail,
+            "prefix caching is off on the replica",
+        );
+    }
+    if !report.checks.iter().any(|c| c.name == "config") {
+        report.push(
+            "config",
+            Status::Ok,
+            format!(
+                "block size {block_size}, hash {}, {} GPU blocks (vllm:cache_config_info)",
+                algo.as_str(),
+                cache
+                    .num_gpu_blocks
+                    .map_or_else(|| "?".to_owned(), |n| n.to_string())
+            ),
+        );
+    }
+
+    // 3. Tokenization: a probe no cache holds yet, long enough for several blocks.
+    let nonce = probe_nonce();
+    let mut text = format!("kinference doctor probe {nonce}.");
+    let ids = loop {
+        let ids = replica_tokens(&http, &base, &model, &text).await?;
+        if ids.len() > block_size * 4 || text.len() > 200_000 {
+            break ids;
+        }
+        text.push_str(" The router checks that it hashes blocks exactly as this replica does.");
+    };
+    match &args.tokenizer {
+        Some(dir) => {
+            let tok = Tokenizer::from_dir(dir)
+                .with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+            let local = tok.encode_completion(&text)?;
+            if local == ids {
+                report.push(
+                    "tokenize",
+                    Status::Ok,
+                    format!(
+                        "{} ids equal (local tokenizer and the replica's /tokenize)",
+                        ids.len()
+                    ),
+                );
+            } else {
+                let at = local.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+                report.push(
+                    "tokenize",
+                    Status::Fail,
+                    format!(
+                        "ids differ at position {at} (local {:?}, replica {:?}; {} vs {} ids): tokenizer files or special tokens differ",
+                        local.get(at),
+                        ids.get(at),
+                        local.len(),
+                        ids.len()
+                    ),
+                );
+            }
+        }
+        None => report.push("tokenize", Status::Skip, "no --tokenizer given"),
+    }
+
+    // 4. Events.
+    let Some((events, replay, topic)) = event_endpoints(args, &http, &base).await? else {
+        report.push(
+            "events",
+            Status::Fail,
+            "the replica publishes no KV events (no --kv-events-config, or /kv_event_sources empty)",
+        );
+        return Ok(report);
+    };
+    let worker = WorkerId::new(ReplicaId(0), DpRank(0));
+    let host = url_host(&base).unwrap_or_else(|| "127.0.0.1".to_owned());
+    // A wildcard host means the replica binds (whatever its spelling: vLLM's `*`, or the
+    // resolved `0.0.0.0` some servers report), so we dial its own host.
+    let mut wc = if dial_address(&events, &host) != events {
+        WorkerConfig::connect(worker.replica, worker.rank, &dial_address(&events, &host))
+    } else {
+        WorkerConfig::auto(worker.replica, worker.rank, &events, &events)
+    }
+    .with_topic(&topic);
+    if let Some(r) = &replay {
+        wc = wc.with_replay(&dial_address(r, &host));
+    }
+    let plane = EventPlane::start(EventPlaneConfig::default())?;
+    if let Err(e) = plane.add_worker(wc).await {
+        report.push(
+            "events",
+            Status::Fail,
+            format!("cannot subscribe to {events}: {e} (a running router may already hold this address)"),
+        );
+        plane.shutdown().await;
+        return Ok(report);
+    }
+    let timeout = Duration::from_secs(args.timeout_secs.max(1));
+    let connected = plane.wait_for(worker, timeout, |h| h.connected).await;
+    if connected.is_err() {
+        report.push(
+            "events",
+            Status::Fail,
+            format!("no publisher connected within {timeout:?} ({events})"),
+        );
+        plane.shutdown().await;
+        return Ok(report);
+    }
+    report.push(
+        "events",
+        Status::Ok,
+        format!(
+            "subscribed to {events}{}",
+            replay
+                .as_deref()
+                .map(|r| format!(", replay {r}"))
+                .unwrap_or_default()
+        ),
+    );
+
+    // 5. The probe, and its hashes as the router computes them.
+    let hasher = BlockHasher::new(
+        algo,
+        block_size,
+        args.seed.as_deref(),
+        args.extra_keys_format,
+    )?;
+    let expected: Vec<BlockHash> = hasher
+        .hash_blocks(&ids, &RequestExtras::default())
+        .iter()
+        .map(|d| d.event_hash())
+        .collect();
+    let before = plane.health(worker).map_or(0, |h| h.batches_applied);
+    let index = plane.index();
+    let holds_all = |hs: &[BlockHash]| {
+        let idx = index.read();
+        !hs.is_empty() && hs.iter().all(|&h| idx.holds(worker, h, Tier::Gpu))
+    };
+    complete(&http, &base, &model, &ids).await?;
+    // Wait for the probe's blocks under our hashes; once some batch arrived after the probe,
+    // a quiet spell means the replica has announced everything the probe filled.
+    const QUIET: Duration = Duration::from_millis(300);
+    const NUDGE: Duration = Duration::from_secs(1);
+    let mut nudges = 0u32;
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut seen = before;
+    while !holds_all(&expected) {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let wait = if seen > before {
+            left.min(QUIET)
+        } else {
+            left.min(NUDGE)
+        };
+        match plane
+            .wait_for(worker, wait, |h| h.batches_applied > seen)
+            .await
+        {
+            Ok(h) => seen = h.batches_applied,
+            Err(_) if seen > before => break,
+            Err(_) => {
+                // A subscription only reaches the publisher some time after the connection
+                // (ZMQ's slow joiner), so the probe's batch may have been dropped. Any later
+                // batch reveals the gap, and replay fetches what was missed.
+                nudges += 1;
+                // Long enough to fill whole blocks: only full blocks produce events.
+                let nudge = format!("kinference doctor nudge {nonce} {nudges}: ")
+                    .repeat((block_size * 2 / 4).max(8));
+                let nudge_ids = replica_tokens(&http, &base, &model, &nudge).await?;
+                complete(&http, &base, &model, &nudge_ids).await?;
+            }
+        }
+    }
+    let seen = plane.health(worker).map_or(seen, |h| h.batches_applied);
+    if holds_all(&expected) {
+        report.hashes_match = true;
+        report.push(
+            "hashes",
+            Status::Ok,
+            format!(
+                "{}/{} probe blocks announced under the router's hashes",
+                expected.len(),
+                expected.len()
+            ),
+        );
+    } else if seen == before {
+        let h = plane.health(worker);
+        report.push(
+            "hashes",
+            Status::Fail,
+            format!(
+                "no KV events applied within {timeout:?} after the probe (wrong endpoint or topic?); stream: {}",
+                h.map_or_else(
+                    || "gone".to_owned(),
+                    |h| format!(
+                        "connected {}, messages {}, gaps {}, replays {}/{}, decode errors {}, socket errors {}, state {:?}",
+                        h.connected, h.messages, h.gaps, h.replays_succeeded, h.replays_attempted,
+                        h.decode_errors, h.socket_errors, h.sync
+                    )
+                )
+            ),
+        );
+    } else {
+        report.push(
+            "hashes",
+            Status::Fail,
+            explain_mismatch(&ids, block_size, algo, args, |hs| holds_all(hs)),
+        );
+    }
+
+    // 6. The replica's own count of cached tokens against the index's prediction.
+    if report.hashes_match {
+        let usage = complete(&http, &base, &model, &ids).await?;
+        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+        let held = index
+            .read()
+            .longest_prefix(&expected)
+            .get(worker)
+            .map_or(0, |t| t.gpu);
+        // vLLM always computes the last prompt token, so at most len - 1 tokens can be served
+        // from cache, in whole blocks.
+        let cap = (ids.len().saturating_sub(1) / block_size) * block_size;
+        let predicted = (held as usize * block_size).min(cap) as u64;
+        match cached {
+            Some(c) if c == predicted => report.push(
+                "cached",
+                Status::Ok,
+                format!(
+                    "second probe: replica reports {c} cached tokens, index predicts {predicted}"
+                ),
+            ),
+            Some(c) => report.push(
+                "cached",
+                Status::Warn,
+                format!(
+                    "second probe: replica reports {c} cached tokens, index predicts {predicted}"
+                ),
+            ),
+            None => report.push(
+                "cached",
+                Status::Skip,
+                "the replica reports no usage.prompt_tokens_details.cached_tokens",
+            ),
+        }
+    }
+    plane.shutdown().await;
+    Ok(report)
+}
+
+/// Names the setting that makes the hashes differ, by trying the others against the index.
+fn explain_mismatch(
+    ids: &[u32],
+    block_size: usize,
+    algo: HashAlgo,
+    args: &DoctorArgs,
+    holds_all: impl Fn(&[BlockHash]) -> bool,
+) -> String {
+    let algos = [
+        HashAlgo::Sha256,
+        HashAlgo::Sha256Cbor,
+        HashAlgo::Xxhash,
+        HashAlgo::XxhashCbor,
+    ];
+    let sizes = [block_size, 16, 32, 64, 128];
+    let seeds: [Option<&str>; 3] = [args.seed.as_deref(), None, Some("0")];
+    let formats = [ExtraKeysFormat::Tagged, ExtraKeysFormat::Untagged];
+    for a in algos {
+        for &bs in &sizes {
+            for seed in seeds {
+                for f in formats {
+                    let Ok(h) = BlockHasher::new(a, bs, seed, f) else {
+                        continue;
+                    };
+                    let hs: Vec<BlockHash> = h
+                        .hash_blocks(ids, &RequestExtras::default())
+                        .iter()
+                        .map(|d| d.event_hash())
+                        .collect();
+                    if holds_all(&hs) {
+                        let mut diffs = Vec::new();
+                        if a != algo {
+                            diffs.push(format!(
+                                "hash algorithm {} (router: {})",
+                                a.as_str(),
+                                algo.as_str()
+                            ));
+                        }
+                        if bs != block_size {
+                            diffs.push(format!("block size {bs} (router: {block_size})"));
+                        }
+                        if seed != args.seed.as_deref() {
+                            diffs.push(format!(
+                                "seed {} (router: {})",
+                                seed.unwrap_or("unset"),
+                                args.seed.as_deref().unwrap_or("unset")
+                            ));
+                        }
+                        return format!(
+                            "events arrived, but the replica hashes with {}",
+                            diffs.join(", ")
+                        );
+                    }
+                }
+            }
+        }
+    }
+    "events arrived, but under none of the hashes tried (algorithms, block sizes, seeds unset/0): the replica's PYTHONHASHSEED is probably set to another value — pass it with --seed".to_owned()
+}
+
+async fn get_json(http: &reqwest::Client, url: &str) -> Result<Value> {
+    let resp = http
+        .get(url)
+        .send()
+        .await
+        .with_context(|| format!("GET {url}"))?;
+    let status = resp.status();
+    if !status.is_success() {
+        bail!("GET {url}: HTTP {status}");
+    }
+    resp.json()
+        .await
+        .with_context(|| format!("GET {url}: not JSON"))
+}
+
+async fn replica_tokens(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    text: &str,
+) -> Result<Vec<u32>> {
+    let url = format!("{base}/tokenize");
+    let resp: Value = http
+        .post(&url)
+        .json(&json!({"model": model, "prompt": text}))
+        .send()
+        .await
+        .with_context(|| format!("POST {url}"))?
+        .error_for_status()?
+        .json()
+        .await?;
+    resp["tokens"]
+        .as_array()
+        .context("/tokenize answered without `tokens`")?
+        .iter()
+        .map(|t| {
+            t.as_u64()
+                .and_then(|v| u32::try_from(v).ok())
+                .context("/tokenize answered with a non-integer token")
+        })
+        .collect()
+}
+
+/// Sends the probe as token ids (one output token) and returns its `usage`.
+async fn complete(http: &reqwest::Client, base: &str, model: &str, ids: &[u32]) -> Result<Value> {
+    let url = format!("{base}/v1/completions");
+    let resp = http
+        .post(&url)
+        .json(&json!({"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0}))
+        .send()
+        .await
+        .with_context(|| format!("POST {url}"))?;
+    let status = resp.status();
+    let body: Value = resp.json().await.unwrap_or(Value::Null);
+    if !status.is_success() {
+        bail!("POST {url}: HTTP {status}: {body}");
+    }
+    Ok(body["usage"].clone())
+}
+
+/// The event endpoints: from the flags, or the replica's `/kv_event_sources` (rank 0).
+async fn event_endpoints(
+    args: &DoctorArgs,
+    http: &reqwest::Client,
+    base: &str,
+) -> Result<Option<(String, Option<String>, String)>> {
+    if let Some(e) = &args.events {
+        return Ok(Some((e.clone(), args.replay.clone(), args.topic.clone())));
+    }
+    let Ok(sources) = get_json(http, &format!("{base}/kv_event_sources")).await else {
+        return Ok(None);
+    };
+    let rank0 = sources
+        .get("0")
+        .or_else(|| sources.as_object().and_then(|o| o.values().next()));
+    let Some(cfg) = rank0 else {
+        return Ok(None);
+    };
+    let Some(endpoint) = cfg["endpoint"].as_str() else {
+        return Ok(None);
+    };
+    let replay = args
+        .replay
+        .clone()
+        .or_else(|| cfg["replay_endpoint"].as_str().map(str::to_owned));
+    let topic = cfg["topic"].as_str().unwrap_or(&args.topic).to_owned();
+    Ok(Some((endpoint.to_owned(), replay, topic)))
+}
+
+/// Where we dial or bind for a replica-side endpoint: a wildcard host means the replica binds,
+/// so we dial the replica's own host.
+fn dial_address(endpoint: &str, replica_host: &str) -> String {
+    for wildcard in ["tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"] {
+        if let Some(port) = endpoint.strip_prefix(wildcard) {
+            return format!("tcp://{replica_host}:{port}");
+        }
+    }
+    endpoint.to_owned()
+}
+
+fn url_host(url: &str) -> Option<String> {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next()?;
+    let host = match authority.rsplit_once(':') {
+        Some((h, p)) if p.chars().all(|c| c.is_ascii_digit()) => h,
+        _ => authority,
+    };
+    (!host.is_empty()).then(|| host.to_owned())
+}
+
+fn probe_nonce() -> String {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!("{:x}-{}", t, std::process::id())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wildcard_endpoints_are_dialled_on_the_replica_host() {
+        assert_eq!(
+            dial_address("tcp://*:5557", "10.0.0.7"),
+            "tcp://10.0.0.7:5557"
+        );
+        assert_eq!(dial_address("tcp://0.0.0.0:1", "h"), "tcp://h:1");
+        assert_eq!(dial_address("tcp://10.0.0.1:9", "h"), "tcp://10.0.0.1:9");
+        assert_eq!(
+            url_host("http://10.0.0.7:8000/x").as_deref(),
+            Some("10.0.0.7")
+        );
+        assert_eq!(url_host("http://example").as_deref(), Some("example"));
+        assert_eq!(url_host("http://[::1]:80").as_deref(), Some("[::1]"));
+    }
+}
