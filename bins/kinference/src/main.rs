@@ -2,6 +2,7 @@
 //! trace-replay benchmark (`bench`) and the one-command demo (`demo`). Each subcommand lives in
 //! its own module; this file only parses the command line and sets up logging.
 
+mod bench;
 mod sim;
 
 use clap::{Parser, Subcommand};
@@ -17,6 +18,8 @@ struct Cli {
 enum Command {
     /// Run one or more simulated vLLM replicas (no GPU).
     Sim(sim::SimArgs),
+    /// Replay a trace against routing policies and report TTFT, hit rate and GPU time.
+    Bench(bench::BenchArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -30,5 +33,6 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Sim(a) => sim::run(a),
+        Command::Bench(a) => bench::run(a),
     }
 }
