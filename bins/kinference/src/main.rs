@@ -3,12 +3,23 @@
 //! its own module; this file only parses the command line and sets up logging.
 
 mod bench;
+mod serve;
 mod sim;
 
 use clap::{Parser, Subcommand};
 
+// With glibc's allocator the router's added latency grew during a long run (p50 from about 3 to
+// 12 ms over ~10k requests of ~1,000 tokens); with mimalloc it stayed flat. One allocator for
+// the whole binary: the demo runs router and replicas in one process.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Debug, Parser)]
-#[command(name = "kinference", version, about = "KV-cache-aware routing for vLLM fleets")]
+#[command(
+    name = "kinference",
+    version,
+    about = "KV-cache-aware routing for vLLM fleets"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -16,6 +27,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the cache-aware OpenAI-compatible router.
+    Serve(serve::ServeArgs),
     /// Run one or more simulated vLLM replicas (no GPU).
     Sim(sim::SimArgs),
     /// Replay a trace against routing policies and report TTFT, hit rate and GPU time.
@@ -32,6 +45,7 @@ fn main() -> anyhow::Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match cli.command {
+        Command::Serve(a) => serve::run(a),
         Command::Sim(a) => sim::run(a),
         Command::Bench(a) => bench::run(a),
     }

@@ -1,0 +1,305 @@
+//! `kinference serve`: the cache-aware router. Settings come from a YAML file (`--config`,
+//! see `docs/config.md`) or, for a one-pool fleet, from flags alone; every flag also reads a
+//! `KINFERENCE_*` environment variable. Flags override the file's top-level settings; the pool
+//! flags (`--model`, `--tokenizer`, `--block-size`, `--replica`, ...) describe the one pool of a
+//! file-less fleet and cannot be combined with `--config`.
+
+use std::path::PathBuf;
+
+use anyhow::Context as _;
+
+use kinference_proxy::{parse_policy, Config, PoolConfig, Proxy, ReplicaSpec};
+
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// YAML configuration file (format in docs/config.md).
+    #[arg(long, short = 'c', env = "KINFERENCE_CONFIG")]
+    config: Option<PathBuf>,
+    /// Data-plane address (the OpenAI API) [default: 127.0.0.1:8080].
+    #[arg(long, env = "KINFERENCE_LISTEN")]
+    listen: Option<String>,
+    /// Admin address (metrics, health, debug) [default: 127.0.0.1:9090].
+    #[arg(long, env = "KINFERENCE_ADMIN")]
+    admin: Option<String>,
+
+    /// One-pool fleet: a model name the replicas serve (repeat or comma-separate for several).
+    #[arg(long = "model", env = "KINFERENCE_MODEL", value_delimiter = ',')]
+    models: Vec<String>,
+    /// One-pool fleet: directory with the model's tokenizer.json.
+    #[arg(long, env = "KINFERENCE_TOKENIZER")]
+    tokenizer: Option<PathBuf>,
+    /// One-pool fleet: the replicas' --block-size.
+    #[arg(long, env = "KINFERENCE_BLOCK_SIZE")]
+    block_size: Option<u32>,
+    /// One-pool fleet: the replicas' --prefix-caching-hash-algo [default: sha256].
+    #[arg(long, env = "KINFERENCE_HASH_ALGO")]
+    hash_algo: Option<String>,
+    /// One-pool fleet: the replicas' PYTHONHASHSEED, if set.
+    #[arg(long, env = "KINFERENCE_HASH_SEED")]
+    hash_seed: Option<String>,
+    /// One-pool fleet: the policy, by name or as YAML ('{kind: precise, load_weight_tokens: 512}').
+    #[arg(long, env = "KINFERENCE_POLICY")]
+    policy: Option<String>,
+    /// One-pool fleet: bytes of the tokenizer's prefix cache (0: off).
+    #[arg(long, env = "KINFERENCE_TOKENIZER_CACHE_BYTES")]
+    tokenizer_cache_bytes: Option<usize>,
+    /// One-pool fleet: header carrying the session key for session-affinity.
+    #[arg(long, env = "KINFERENCE_SESSION_HEADER")]
+    session_header: Option<String>,
+    /// One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N].
+    /// Repeat for each replica (';' separates them in KINFERENCE_REPLICAS).
+    #[arg(long = "replica", env = "KINFERENCE_REPLICAS", value_delimiter = ';')]
+    replicas: Vec<String>,
+
+    /// Upstream connect timeout, ms.
+    #[arg(long, env = "KINFERENCE_CONNECT_TIMEOUT_MS")]
+    connect_timeout_ms: Option<u64>,
+    /// Time to a replica's response head, ms.
+    #[arg(long, env = "KINFERENCE_FIRST_BYTE_TIMEOUT_MS")]
+    first_byte_timeout_ms: Option<u64>,
+    /// Longest silence inside a response body, ms.
+    #[arg(long, env = "KINFERENCE_IDLE_TIMEOUT_MS")]
+    idle_timeout_ms: Option<u64>,
+    /// Cap on a whole response, ms (0: none).
+    #[arg(long, env = "KINFERENCE_TOTAL_TIMEOUT_MS")]
+    total_timeout_ms: Option<u64>,
+    /// Time running requests get on shutdown, ms.
+    #[arg(long, env = "KINFERENCE_DRAIN_MS")]
+    drain_ms: Option<u64>,
+    /// Largest request body, bytes.
+    #[arg(long, env = "KINFERENCE_MAX_BODY_BYTES")]
+    max_body_bytes: Option<usize>,
+    /// Replicas tried per request while nothing was sent.
+    #[arg(long, env = "KINFERENCE_MAX_ATTEMPTS")]
+    max_attempts: Option<u32>,
+    /// Interval between /metrics scrapes of each replica, ms (0: off).
+    #[arg(long, env = "KINFERENCE_SCRAPE_INTERVAL_MS")]
+    scrape_interval_ms: Option<u64>,
+    /// Timeout of one scrape, ms.
+    #[arg(long, env = "KINFERENCE_SCRAPE_TIMEOUT_MS")]
+    scrape_timeout_ms: Option<u64>,
+    /// Name the serving replica in x-kinference-endpoint response headers.
+    #[arg(long, env = "KINFERENCE_EXPOSE_ENDPOINT_HEADER")]
+    expose_endpoint_header: bool,
+}
+
+impl ServeArgs {
+    fn has_pool_flags(&self) -> bool {
+        !self.models.is_empty()
+            || self.tokenizer.is_some()
+            || self.block_size.is_some()
+            || self.hash_algo.is_some()
+            || self.hash_seed.is_some()
+            || self.policy.is_some()
+            || self.session_header.is_some()
+            || self.tokenizer_cache_bytes.is_some()
+            || !self.replicas.is_empty()
+    }
+
+    /// The one pool described by flags; every missing or bad flag is reported at once.
+    fn pool(&self) -> anyhow::Result<PoolConfig> {
+        let mut problems = Vec::new();
+        if self.models.is_empty() {
+            problems.push("--model is required (or --config FILE)".to_owned());
+        }
+        if self.tokenizer.is_none() {
+            problems.push("--tokenizer DIR is required".to_owned());
+        }
+        if self.block_size.is_none() {
+            problems.push("--block-size N is required (the replicas' --block-size)".to_owned());
+        }
+        if self.replicas.is_empty() {
+            problems.push("at least one --replica URL[,events=...] is required".to_owned());
+        }
+        let mut replicas = Vec::new();
+        for r in &self.replicas {
+            match ReplicaSpec::from_flag(r) {
+                Ok(spec) => replicas.push(spec),
+                Err(e) => problems.push(e),
+            }
+        }
+        let policy = match self.policy.as_deref().map(parse_policy).transpose() {
+            Ok(p) => p,
+            Err(e) => {
+                problems.push(e);
+                None
+            }
+        };
+        if !problems.is_empty() {
+            anyhow::bail!("{}", problems.join("\n"));
+        }
+        let model = self.models.first().cloned().unwrap_or_default();
+        let mut pool = PoolConfig::new(
+            &model,
+            self.tokenizer.clone().unwrap_or_default(),
+            self.block_size.unwrap_or_default(),
+        );
+        pool.models = self.models.clone();
+        if let Some(a) = &self.hash_algo {
+            pool.hash_algo = a.clone();
+        }
+        pool.hash_seed = self.hash_seed.clone();
+        if let Some(p) = policy {
+            pool.policy = p;
+        }
+        pool.session_header = self.session_header.clone();
+        if let Some(b) = self.tokenizer_cache_bytes {
+            pool.tokenizer_cache_bytes = b;
+        }
+        pool.replicas = replicas;
+        Ok(pool)
+    }
+
+    fn config(&self) -> anyhow::Result<Config> {
+        let mut cfg = match &self.config {
+            Some(path) => {
+                if self.has_pool_flags() {
+                    anyhow::bail!(
+                        "--model, --tokenizer, --block-size, --hash-algo, --hash-seed, --policy, \
+                         --session-header and --replica describe a file-less fleet; with --config \
+                         put pools in the file"
+                    );
+                }
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                Config::parse(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?
+            }
+            None => Config::new(vec![self.pool()?]),
+        };
+        if let Some(v) = &self.listen {
+            cfg.listen = v.clone();
+        }
+        if let Some(v) = &self.admin {
+            cfg.admin = v.clone();
+        }
+        let t = &mut cfg.timeouts;
+        for (flag, field) in [
+            (self.connect_timeout_ms, &mut t.connect_ms),
+            (self.first_byte_timeout_ms, &mut t.first_byte_ms),
+            (self.idle_timeout_ms, &mut t.idle_ms),
+            (self.total_timeout_ms, &mut t.total_ms),
+            (self.drain_ms, &mut t.drain_ms),
+            (self.scrape_interval_ms, &mut cfg.scrape.interval_ms),
+            (self.scrape_timeout_ms, &mut cfg.scrape.timeout_ms),
+        ] {
+            if let Some(v) = flag {
+                *field = v;
+            }
+        }
+        if let Some(v) = self.max_body_bytes {
+            cfg.limits.max_body_bytes = v;
+        }
+        if let Some(v) = self.max_attempts {
+            cfg.limits.max_attempts = v;
+        }
+        if self.expose_endpoint_header {
+            cfg.expose_endpoint_header = true;
+        }
+        cfg.check()?;
+        Ok(cfg)
+    }
+}
+
+pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let cfg = args.config()?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("kinference")
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        let proxy = Proxy::start(cfg).await?;
+        proxy.run_until(shutdown_signal()).await;
+        Ok(())
+    })
+}
+
+/// Ctrl-C, or SIGTERM on Unix (what Kubernetes sends).
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGTERM; Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeArgs,
+    }
+
+    fn tok() -> String {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer")
+            .display()
+            .to_string()
+    }
+
+    #[test]
+    fn flags_build_a_one_pool_fleet() {
+        let cli = Cli::try_parse_from([
+            "serve",
+            "--listen",
+            "127.0.0.1:18080",
+            "--admin",
+            "127.0.0.1:19090",
+            "--model",
+            "M",
+            "--tokenizer",
+            &tok(),
+            "--block-size",
+            "32",
+            "--replica",
+            "http://127.0.0.1:8001,events=tcp://127.0.0.1:5557",
+            "--replica",
+            "http://127.0.0.1:8002",
+            "--policy",
+            "least-load",
+            "--first-byte-timeout-ms",
+            "5000",
+        ])
+        .unwrap();
+        let cfg = cli.serve.config().unwrap();
+        assert_eq!(cfg.listen, "127.0.0.1:18080");
+        assert_eq!(cfg.timeouts.first_byte_ms, 5000);
+        let pool = &cfg.pools[0];
+        assert_eq!(pool.models, ["M"]);
+        assert_eq!(pool.block_size, 32);
+        assert_eq!(pool.policy.name(), "least-load");
+        assert_eq!(pool.replicas.len(), 2);
+        assert!(pool.replicas[0].events.is_some());
+    }
+
+    #[test]
+    fn missing_flags_are_all_reported() {
+        let cli = Cli::try_parse_from(["serve", "--replica", "http://h:1,colour=red"]).unwrap();
+        let err = cli.serve.config().unwrap_err().to_string();
+        for want in ["--model", "--tokenizer", "--block-size", "colour"] {
+            assert!(err.contains(want), "{want} missing in: {err}");
+        }
+    }
+}

@@ -1,0 +1,213 @@
+//! The JSON the router's admin port answers (`/debug/explain`, `/debug/replicas`, `/readyz`)
+//! and the error body both ports use, as plain serde types so that tools (the operator CLI)
+//! can read them back.
+//!
+//! Invariant: these types carry no live handles; each response is a snapshot taken when it was
+//! requested, and every field name here is part of the admin API (renaming one breaks readers).
+
+use serde::{Deserialize, Serialize};
+
+/// `{"error": {"message", "type", "param", "code"}}`, as OpenAI and vLLM answer errors.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// The inner object of an [`ErrorBody`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ErrorDetail {
+    pub message: String,
+    /// vLLM's error class names: `BadRequestError`, `NotFoundError`, ...
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The request field at fault, if one is (`model` for an unknown model).
+    pub param: Option<String>,
+    /// The HTTP status code.
+    pub code: u16,
+}
+
+/// `POST /debug/explain`: how a request body would be routed, without forwarding it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ExplainResponse {
+    pub pool: String,
+    /// The `model` of the request (the pool's first model when the request names none).
+    pub model: String,
+    /// `chat` or `completions`.
+    pub api: String,
+    /// Prompt tokens (of the first prompt for a batch of completions prompts).
+    pub prompt_tokens: u32,
+    pub block_size: u32,
+    /// Full blocks hashed: the part of the prompt the replicas can cache.
+    pub blocks: usize,
+    /// Why the prompt could not be tokenized (then it is routed by load only), if it could not.
+    pub tokenize_error: Option<String>,
+    pub policy: String,
+    /// Why the first candidate won (`cached_prefix`, `prefix_spread`, `no_cache`, ...).
+    pub reason: String,
+    /// The chosen worker (`replica-N/dpR`), if any candidate was available.
+    pub chosen: Option<String>,
+    /// Every available worker, best first.
+    pub candidates: Vec<CandidateScore>,
+}
+
+/// One worker's evaluation in an [`ExplainResponse`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CandidateScore {
+    /// `replica-N/dpR`.
+    pub worker: String,
+    /// The replica's base URL.
+    pub replica: String,
+    pub rank: u32,
+    /// Prefix blocks credited as cached on GPU (events or a recent routing decision).
+    pub gpu_blocks: u32,
+    /// Further prefix blocks cached in CPU or storage tiers.
+    pub offloaded_blocks: u32,
+    /// Prefix blocks assumed cached because a request with them was just sent there.
+    pub speculative_blocks: u32,
+    pub predicted_cached_tokens: u32,
+    /// Outstanding requests as the policy counts them.
+    pub load: f64,
+    /// Above the fair-share cap: ranked after every worker within it.
+    pub over_cap: bool,
+    pub scorable: bool,
+    /// Higher is better; comparable within one decision only.
+    pub value: f64,
+}
+
+/// `GET /debug/replicas`: every pool with its replicas' state.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicasResponse {
+    pub pools: Vec<PoolStatus>,
+}
+
+/// One pool in a [`ReplicasResponse`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    pub name: String,
+    pub models: Vec<String>,
+    pub block_size: u32,
+    pub hash_algo: String,
+    pub policy: String,
+    /// (block, worker, tier, group) entries in the pool's index.
+    pub index_entries: usize,
+    /// Distinct block hashes in the pool's index.
+    pub index_blocks: usize,
+    /// Router-side entries (speculative, or the approximate policy's record).
+    pub tracked_entries: usize,
+    pub replicas: Vec<ReplicaStatus>,
+}
+
+/// Whether a replica answers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Health {
+    /// Not scraped or contacted yet.
+    Unknown,
+    /// The last scrape (or request) reached it.
+    Up,
+    /// The last scrape failed, or a connection to it was refused.
+    Down,
+}
+
+/// One replica in a [`PoolStatus`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaStatus {
+    pub url: String,
+    /// The replica's identifier in the index (`replica-N`).
+    pub id: String,
+    pub dp_ranks: u32,
+    pub health: Health,
+    /// The last scrape or connection error, if the replica is down.
+    pub last_error: Option<String>,
+    /// False when the router cannot reproduce this replica's block hashes: it is routed by
+    /// load only.
+    pub scorable: bool,
+    pub unscorable_reason: Option<String>,
+    /// What the replica reports in `vllm:cache_config_info`, once scraped.
+    pub cache_config: Option<CacheConfigStatus>,
+    /// How the event stream is found: `none`, `connect`, `bind` or `discover`.
+    pub events_mode: String,
+    /// Why event discovery or subscription failed, while it does.
+    pub events_error: Option<String>,
+    /// `vllm:prefix_cache_hits_total` and `vllm:prefix_cache_queries_total` (tokens), summed
+    /// over ranks, as last scraped.
+    pub prefix_cache_hits: Option<f64>,
+    pub prefix_cache_queries: Option<f64>,
+    pub workers: Vec<WorkerStatus>,
+}
+
+/// The labels of `vllm:cache_config_info` the router checks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CacheConfigStatus {
+    pub block_size: Option<u32>,
+    pub hash_algo: Option<String>,
+    pub prefix_caching: Option<bool>,
+}
+
+/// One DP rank of a replica.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WorkerStatus {
+    pub rank: u32,
+    /// `replica-N/dpR`.
+    pub worker: String,
+    pub load: LoadStatus,
+    /// Entries the index holds for this worker.
+    pub index_entries: usize,
+    /// The KV-event stream, once subscribed.
+    pub events: Option<EventStreamStatus>,
+}
+
+/// A worker's load as the router sees it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LoadStatus {
+    /// Scraped `vllm:num_requests_running`.
+    pub running: u32,
+    /// Scraped `vllm:num_requests_waiting`.
+    pub waiting: u32,
+    /// Scraped `vllm:kv_cache_usage_perc` (0..=1).
+    pub kv_usage: f64,
+    /// Requests this router has sent there and not finished.
+    pub in_flight: u32,
+    /// Uncached prompt tokens of this router's requests there still waiting for a first byte.
+    pub in_flight_prefill_tokens: u64,
+}
+
+/// A worker's KV-event stream.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct EventStreamStatus {
+    pub endpoint: String,
+    pub local_endpoint: Option<String>,
+    pub connected: bool,
+    /// `connecting`, `synced`, `resynced` or `stale`.
+    pub sync: String,
+    pub last_seq: Option<u64>,
+    pub applied_seq: Option<u64>,
+    pub messages: u64,
+    pub batches_applied: u64,
+    pub gaps: u64,
+    pub replays_attempted: u64,
+    pub replays_succeeded: u64,
+    pub replayed_batches: u64,
+    pub unrecoverable_gaps: u64,
+    pub resets: u64,
+    pub decode_errors: u64,
+    pub socket_errors: u64,
+    /// Milliseconds since the last live event, if one arrived.
+    pub last_event_age_ms: Option<u64>,
+}
+
+/// `GET /readyz`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReadyResponse {
+    /// True when every pool has at least one healthy replica.
+    pub ready: bool,
+    pub pools: Vec<PoolReady>,
+}
+
+/// One pool in a [`ReadyResponse`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PoolReady {
+    pub name: String,
+    pub healthy_replicas: usize,
+    pub replicas: usize,
+}

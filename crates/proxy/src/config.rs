@@ -1,0 +1,898 @@
+//! The router's configuration: one YAML file (documented in `docs/config.md`), or the same
+//! settings built from command-line flags for a one-pool fleet.
+//!
+//! Invariants: parsing never stops at the first problem. The file is read piecewise (top level,
+//! each pool, each replica) so that structural errors in different places are all reported,
+//! and [`Config::validate`] then reports every bad value at once; a [`Config`] that validates
+//! can be started without further configuration errors. Durations are integer milliseconds,
+//! sizes integer bytes.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use kinference_policy::PolicyConfig;
+use kinference_vllm::{BlockHasher, ExtraKeysFormat, HashAlgo};
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use serde_yaml_ng::Value;
+
+/// The whole router.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// Data-plane address (the OpenAI API), `host:port`.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Admin address (metrics, health, debug), `host:port`; keep it off the public network.
+    #[serde(default = "default_admin")]
+    pub admin: String,
+    #[serde(default)]
+    pub timeouts: Timeouts,
+    #[serde(default)]
+    pub limits: Limits,
+    #[serde(default)]
+    pub scrape: Scrape,
+    /// Add `x-kinference-endpoint: host:port` (and `x-kinference-dp-rank`) to responses, naming
+    /// the replica that served them. Off by default: it reveals internal addresses.
+    #[serde(default)]
+    pub expose_endpoint_header: bool,
+    #[serde(default)]
+    pub pools: Vec<PoolConfig>,
+}
+
+fn default_listen() -> String {
+    "127.0.0.1:8080".to_owned()
+}
+
+fn default_admin() -> String {
+    "127.0.0.1:9090".to_owned()
+}
+
+/// Upstream timeouts, in milliseconds.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Timeouts {
+    /// TCP connect to a replica. A connect failure or timeout moves the request to the next
+    /// replica.
+    pub connect_ms: u64,
+    /// From sending the request to the response head. vLLM sends the head of a non-streamed
+    /// response only when generation ends, so this bounds whole non-streamed requests.
+    pub first_byte_ms: u64,
+    /// Longest gap between two body chunks of a response.
+    pub idle_ms: u64,
+    /// Upper bound on a whole response; 0 = none.
+    pub total_ms: u64,
+    /// On shutdown, how long running requests may take to finish before they are cut.
+    pub drain_ms: u64,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            connect_ms: 2_000,
+            first_byte_ms: 600_000,
+            idle_ms: 300_000,
+            total_ms: 0,
+            drain_ms: 10_000,
+        }
+    }
+}
+
+impl Timeouts {
+    pub fn connect(&self) -> Duration {
+        Duration::from_millis(self.connect_ms)
+    }
+    pub fn first_byte(&self) -> Duration {
+        Duration::from_millis(self.first_byte_ms)
+    }
+    pub fn idle(&self) -> Duration {
+        Duration::from_millis(self.idle_ms)
+    }
+    pub fn total(&self) -> Option<Duration> {
+        (self.total_ms > 0).then(|| Duration::from_millis(self.total_ms))
+    }
+    pub fn drain(&self) -> Duration {
+        Duration::from_millis(self.drain_ms)
+    }
+}
+
+/// Request limits.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    /// Largest request body accepted, bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// Replicas tried per request while nothing was sent upstream (the first included).
+    pub max_attempts: u32,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_body_bytes: 32 << 20,
+            max_attempts: 3,
+        }
+    }
+}
+
+/// Load scraping of each replica's `/metrics`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Scrape {
+    /// Milliseconds between scrapes of one replica; 0 turns scraping off (health then comes
+    /// from requests alone, and load from the router's own in-flight counts).
+    pub interval_ms: u64,
+    /// Timeout of one scrape, milliseconds.
+    pub timeout_ms: u64,
+}
+
+impl Default for Scrape {
+    fn default() -> Self {
+        Scrape {
+            interval_ms: 1_000,
+            timeout_ms: 2_000,
+        }
+    }
+}
+
+/// A set of interchangeable replicas serving the same model(s) with one hashing setup.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Name in metrics and the admin API; defaults to the first model.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// The `model` values routed to this pool (vLLM's `--served-model-name`).
+    pub models: Vec<String>,
+    /// Directory with the model's `tokenizer.json` (and `tokenizer_config.json` for chat).
+    pub tokenizer: PathBuf,
+    /// Tokens per KV block: the replicas' `--block-size`.
+    pub block_size: u32,
+    /// The replicas' `--prefix-caching-hash-algo`: sha256, sha256_cbor, xxhash, xxhash_cbor.
+    #[serde(default = "default_algo")]
+    pub hash_algo: String,
+    /// The replicas' `PYTHONHASHSEED`, if set (required for the xxhash algorithms).
+    #[serde(default)]
+    pub hash_seed: Option<String>,
+    /// `tagged` (vLLM 0.25+) or `untagged` (up to 0.24): how extra keys enter the hash.
+    #[serde(default = "default_format")]
+    pub extra_keys_format: String,
+    /// Bytes of the tokenizer's prefix cache (a new turn of a long conversation re-encodes
+    /// only its new text); 0 turns it off.
+    #[serde(default = "default_tokenizer_cache")]
+    pub tokenizer_cache_bytes: usize,
+    #[serde(default)]
+    pub policy: PolicyConfig,
+    /// Header whose value is the session key for the `session-affinity` policy.
+    #[serde(default)]
+    pub session_header: Option<String>,
+    /// LoRA adapters served by every replica of the pool: `model` name → path as given to
+    /// vLLM (`--lora-modules name=path`). The path enters the block hashes.
+    #[serde(default)]
+    pub lora_adapters: BTreeMap<String, String>,
+    #[serde(default)]
+    pub replicas: Vec<ReplicaSpec>,
+}
+
+fn default_algo() -> String {
+    HashAlgo::Sha256.as_str().to_owned()
+}
+
+fn default_tokenizer_cache() -> usize {
+    kinference_tokenize::DEFAULT_CACHE_BYTES
+}
+
+fn default_format() -> String {
+    ExtraKeysFormat::Tagged.as_str().to_owned()
+}
+
+impl PoolConfig {
+    /// A pool with default hashing (sha256, tagged) and policy (precise).
+    pub fn new(model: &str, tokenizer: impl Into<PathBuf>, block_size: u32) -> Self {
+        PoolConfig {
+            name: None,
+            models: vec![model.to_owned()],
+            tokenizer: tokenizer.into(),
+            block_size,
+            hash_algo: default_algo(),
+            hash_seed: None,
+            extra_keys_format: default_format(),
+            tokenizer_cache_bytes: default_tokenizer_cache(),
+            policy: PolicyConfig::default(),
+            session_header: None,
+            lora_adapters: BTreeMap::new(),
+            replicas: Vec::new(),
+        }
+    }
+
+    /// The pool's name: `name`, or the first model.
+    pub fn display_name(&self) -> String {
+        self.name
+            .clone()
+            .or_else(|| self.models.first().cloned())
+            .unwrap_or_default()
+    }
+
+    /// The block hasher for this pool's settings.
+    pub fn hasher(&self) -> Result<BlockHasher, String> {
+        let algo = HashAlgo::from_str(&self.hash_algo).map_err(|e| e.to_string())?;
+        let format =
+            ExtraKeysFormat::from_str(&self.extra_keys_format).map_err(|e| e.to_string())?;
+        let block_size = usize::try_from(self.block_size).map_err(|e| e.to_string())?;
+        BlockHasher::new(algo, block_size, self.hash_seed.as_deref(), format)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// A policy from a flag: a bare name (`precise`, `round-robin`, ...) or the YAML of the
+/// `policy:` setting (`{kind: precise, load_weight_tokens: 512}`).
+pub fn parse_policy(text: &str) -> Result<PolicyConfig, String> {
+    if let Some(p) = PolicyConfig::from_name(text.trim()) {
+        return Ok(p);
+    }
+    let p: PolicyConfig = serde_yaml_ng::from_str(text).map_err(|e| {
+        format!("policy {text:?}: expected precise, approximate, round-robin, least-load, session-affinity or a YAML mapping ({e})")
+    })?;
+    let errs = p.validate();
+    if errs.is_empty() {
+        Ok(p)
+    } else {
+        Err(errs
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+}
+
+/// One vLLM replica (one API server, possibly several DP ranks).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaSpec {
+    /// Base URL, `http://host:port`.
+    pub url: String,
+    /// Data-parallel ranks behind this URL (vLLM's `--data-parallel-size`); each rank is routed
+    /// to on its own, with vLLM's `X-data-parallel-rank` header when there is more than one.
+    #[serde(default = "one")]
+    pub dp_ranks: u32,
+    /// Where the replica's KV events come from; absent: no events (routing by load and the
+    /// router's own record).
+    #[serde(default)]
+    pub events: Option<EventsSpec>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+impl ReplicaSpec {
+    pub fn new(url: &str) -> Self {
+        ReplicaSpec {
+            url: url.to_owned(),
+            dp_ranks: 1,
+            events: None,
+        }
+    }
+
+    /// Parses the `--replica` flag: `URL[,events=tcp://H:P|discover][,bind=tcp://H:P]`
+    /// `[,replay=tcp://H:P][,topic=T][,dp=N]`.
+    pub fn from_flag(flag: &str) -> Result<Self, String> {
+        let mut parts = flag.split(',');
+        let url = parts.next().unwrap_or_default().trim();
+        if url.is_empty() {
+            return Err(format!("--replica {flag:?}: the URL comes first"));
+        }
+        let mut spec = ReplicaSpec::new(url);
+        let mut events = EventsSpec::default();
+        let mut any_events = false;
+        for part in parts {
+            let (key, value) = part
+                .split_once('=')
+                .ok_or_else(|| format!("--replica {flag:?}: expected key=value, got {part:?}"))?;
+            let value = value.trim().to_owned();
+            match key.trim() {
+                "events" if value == "discover" => events.discover = true,
+                "events" | "connect" => events.connect = Some(value),
+                "bind" => events.bind = Some(value),
+                "replay" => events.replay = Some(value),
+                "topic" => events.topic = value,
+                "dp" | "dp_ranks" => {
+                    spec.dp_ranks = value
+                        .parse()
+                        .map_err(|_| format!("--replica {flag:?}: dp must be a number"))?;
+                    continue;
+                }
+                other => {
+                    return Err(format!(
+                    "--replica {flag:?}: unknown key {other:?} (events, bind, replay, topic, dp)"
+                ))
+                }
+            }
+            any_events = true;
+        }
+        if any_events {
+            spec.events = Some(events);
+        }
+        Ok(spec)
+    }
+}
+
+/// How to reach a replica's KV-event stream (vLLM's `--kv-events-config`).
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EventsSpec {
+    /// The publisher binds (vLLM `endpoint: tcp://*:5557`): dial this base address.
+    #[serde(default)]
+    pub connect: Option<String>,
+    /// The publisher connects to the router (vLLM `endpoint: tcp://ROUTER:5557`): bind this
+    /// base address.
+    #[serde(default)]
+    pub bind: Option<String>,
+    /// Ask the replica's `GET /kv_event_sources` for its endpoints.
+    #[serde(default)]
+    pub discover: bool,
+    /// The publisher's replay ROUTER base address (vLLM `replay_endpoint`); with `discover`
+    /// it comes from the replica.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// vLLM's `topic` (default empty).
+    #[serde(default)]
+    pub topic: String,
+}
+
+/// The resolved event source of a validated [`EventsSpec`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EventSource {
+    Connect(String),
+    Bind(String),
+    Discover,
+}
+
+impl EventsSpec {
+    /// The one source the spec names, or why it does not name exactly one.
+    pub fn source(&self) -> Result<EventSource, String> {
+        match (&self.connect, &self.bind, self.discover) {
+            (Some(c), None, false) => Ok(EventSource::Connect(c.clone())),
+            (None, Some(b), false) => Ok(EventSource::Bind(b.clone())),
+            (None, None, true) => Ok(EventSource::Discover),
+            (None, None, false) => Err("name one of connect, bind or discover".to_owned()),
+            _ => Err("name only one of connect, bind or discover".to_owned()),
+        }
+    }
+}
+
+/// One problem in the configuration; `path` locates it (`pools[0].replicas[1].url`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ConfigError {
+    pub path: String,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.path.is_empty() {
+            f.write_str(&self.message)
+        } else {
+            write!(f, "{}: {}", self.path, self.message)
+        }
+    }
+}
+
+/// Every problem found, one per line when displayed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let n = self.0.len();
+        write!(
+            f,
+            "{n} configuration error{}:",
+            if n == 1 { "" } else { "s" }
+        )?;
+        for e in &self.0 {
+            write!(f, "\n  - {e}")?;
+        }
+        Ok(())
+    }
+}
+
+struct Errors(Vec<ConfigError>);
+
+impl Errors {
+    fn push(&mut self, path: impl Into<String>, message: impl Into<String>) {
+        self.0.push(ConfigError {
+            path: path.into(),
+            message: message.into(),
+        });
+    }
+}
+
+impl Config {
+    /// A configuration with every default and the given pools.
+    pub fn new(pools: Vec<PoolConfig>) -> Self {
+        Config {
+            listen: default_listen(),
+            admin: default_admin(),
+            timeouts: Timeouts::default(),
+            limits: Limits::default(),
+            scrape: Scrape::default(),
+            expose_endpoint_header: false,
+            pools,
+        }
+    }
+
+    /// Reads and validates a file; every problem is in the error.
+    pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+        let text = std::fs::read_to_string(path).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            }])
+        })?;
+        let cfg = Self::parse(&text)?;
+        cfg.check()?;
+        Ok(cfg)
+    }
+
+    /// Parses YAML text without validating values. Structural errors (unknown fields, wrong
+    /// types, missing fields) are collected per pool and per replica.
+    pub fn parse(text: &str) -> Result<Config, ConfigErrors> {
+        let mut errs = Errors(Vec::new());
+        let root: Value = match serde_yaml_ng::from_str(text) {
+            Ok(Value::Null) => Value::Mapping(Default::default()),
+            Ok(v) => v,
+            Err(e) => {
+                return Err(ConfigErrors(vec![ConfigError {
+                    path: String::new(),
+                    message: e.to_string(),
+                }]))
+            }
+        };
+        let Value::Mapping(mut top) = root else {
+            errs.push("", "the file must be a mapping of settings");
+            return Err(ConfigErrors(errs.0));
+        };
+        let pools = top.remove("pools");
+        let mut cfg: Config =
+            typed(Value::Mapping(top), "", &mut errs).unwrap_or_else(|| Config::new(Vec::new()));
+        match pools {
+            None | Some(Value::Null) => {}
+            Some(Value::Sequence(items)) => {
+                for (i, item) in items.into_iter().enumerate() {
+                    if let Some(pool) = parse_pool(item, &format!("pools[{i}]"), &mut errs) {
+                        cfg.pools.push(pool);
+                    }
+                }
+            }
+            Some(_) => errs.push("pools", "must be a list of pools"),
+        }
+        if errs.0.is_empty() {
+            Ok(cfg)
+        } else {
+            Err(ConfigErrors(errs.0))
+        }
+    }
+
+    /// [`Config::validate`] as a `Result`.
+    pub fn check(&self) -> Result<(), ConfigErrors> {
+        let errs = self.validate();
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigErrors(errs))
+        }
+    }
+
+    /// Every bad value, not just the first.
+    pub fn validate(&self) -> Vec<ConfigError> {
+        let mut errs = Errors(Vec::new());
+        let listen = check_addr(&self.listen, "listen", &mut errs);
+        let admin = check_addr(&self.admin, "admin", &mut errs);
+        if let (Some(l), Some(a)) = (listen, admin) {
+            if l == a && l.port() != 0 {
+                errs.push("admin", "must differ from `listen`");
+            }
+        }
+        let t = &self.timeouts;
+        for (name, v) in [
+            ("connect_ms", t.connect_ms),
+            ("first_byte_ms", t.first_byte_ms),
+            ("idle_ms", t.idle_ms),
+        ] {
+            if v == 0 {
+                errs.push(format!("timeouts.{name}"), "must be > 0");
+            }
+        }
+        if self.limits.max_body_bytes == 0 {
+            errs.push("limits.max_body_bytes", "must be > 0");
+        }
+        if self.limits.max_attempts == 0 {
+            errs.push("limits.max_attempts", "must be >= 1");
+        }
+        if self.scrape.interval_ms > 0 && self.scrape.timeout_ms == 0 {
+            errs.push("scrape.timeout_ms", "must be > 0");
+        }
+        if self.pools.is_empty() {
+            errs.push("pools", "at least one pool is needed");
+        }
+        let mut names = BTreeSet::new();
+        let mut models: BTreeMap<String, String> = BTreeMap::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let path = format!("pools[{i}]");
+            let name = pool.display_name();
+            if name.is_empty() {
+                errs.push(&path, "a pool needs a name or at least one model");
+            } else if !names.insert(name.clone()) {
+                errs.push(
+                    format!("{path}.name"),
+                    format!("pool `{name}` is defined twice"),
+                );
+            }
+            let served = pool.models.iter().chain(pool.lora_adapters.keys());
+            for m in served {
+                if m.is_empty() {
+                    errs.push(format!("{path}.models"), "model names cannot be empty");
+                } else if let Some(other) = models.insert(m.clone(), name.clone()) {
+                    errs.push(
+                        format!("{path}.models"),
+                        format!("model `{m}` is already served by pool `{other}`"),
+                    );
+                }
+            }
+            validate_pool(pool, &path, &mut errs);
+        }
+        errs.0
+    }
+}
+
+fn typed<T: DeserializeOwned>(v: Value, path: &str, errs: &mut Errors) -> Option<T> {
+    match serde_yaml_ng::from_value(v) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            errs.push(path, e.to_string());
+            None
+        }
+    }
+}
+
+fn parse_pool(item: Value, path: &str, errs: &mut Errors) -> Option<PoolConfig> {
+    let Value::Mapping(mut map) = item else {
+        errs.push(path, "a pool must be a mapping");
+        return None;
+    };
+    let replicas = map.remove("replicas");
+    let mut pool: Option<PoolConfig> = typed(Value::Mapping(map), path, errs);
+    match replicas {
+        None | Some(Value::Null) => {}
+        Some(Value::Sequence(items)) => {
+            for (j, r) in items.into_iter().enumerate() {
+                let rpath = format!("{path}.replicas[{j}]");
+                // A bare string is a replica URL.
+                let r = match r {
+                    Value::String(s) => Some(ReplicaSpec::new(&s)),
+                    other => typed(other, &rpath, errs),
+                };
+                if let (Some(p), Some(r)) = (pool.as_mut(), r) {
+                    p.replicas.push(r);
+                }
+            }
+        }
+        Some(_) => errs.push(format!("{path}.replicas"), "must be a list of replicas"),
+    }
+    pool
+}
+
+fn check_addr(v: &str, path: &str, errs: &mut Errors) -> Option<SocketAddr> {
+    match v.parse::<SocketAddr>() {
+        Ok(a) => Some(a),
+        Err(_) => {
+            errs.push(path, format!("{v:?} is not an address like 127.0.0.1:8080"));
+            None
+        }
+    }
+}
+
+fn validate_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) {
+    if pool.models.is_empty() {
+        errs.push(format!("{path}.models"), "at least one model is needed");
+    }
+    if !pool.tokenizer.join("tokenizer.json").is_file() {
+        errs.push(
+            format!("{path}.tokenizer"),
+            format!("{} has no tokenizer.json", pool.tokenizer.display()),
+        );
+    }
+    if pool.block_size == 0 {
+        errs.push(format!("{path}.block_size"), "must be > 0");
+    }
+    let algo_ok = match HashAlgo::from_str(&pool.hash_algo) {
+        Ok(_) => true,
+        Err(e) => {
+            errs.push(format!("{path}.hash_algo"), e.to_string());
+            false
+        }
+    };
+    let format_ok = match ExtraKeysFormat::from_str(&pool.extra_keys_format) {
+        Ok(_) => true,
+        Err(e) => {
+            errs.push(format!("{path}.extra_keys_format"), e.to_string());
+            false
+        }
+    };
+    if algo_ok && format_ok && pool.block_size > 0 {
+        if let Err(e) = pool.hasher() {
+            errs.push(format!("{path}.hash_seed"), e);
+        }
+    }
+    for e in pool.policy.validate() {
+        errs.push(format!("{path}.policy.{}", e.field), e.problem);
+    }
+    if let Some(h) = &pool.session_header {
+        if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
+            errs.push(
+                format!("{path}.session_header"),
+                format!("{h:?} is not a header name"),
+            );
+        }
+    }
+    for (name, lora_path) in &pool.lora_adapters {
+        if lora_path.is_empty() {
+            errs.push(
+                format!("{path}.lora_adapters.{name}"),
+                "the adapter path (as given to vLLM) cannot be empty",
+            );
+        }
+    }
+    if pool.replicas.is_empty() {
+        errs.push(format!("{path}.replicas"), "at least one replica is needed");
+    }
+    let mut urls = BTreeSet::new();
+    for (j, r) in pool.replicas.iter().enumerate() {
+        let rpath = format!("{path}.replicas[{j}]");
+        validate_replica(r, &rpath, errs);
+        if !urls.insert(r.url.trim_end_matches('/').to_owned()) {
+            errs.push(format!("{rpath}.url"), format!("{} is listed twice", r.url));
+        }
+    }
+}
+
+/// A replica's base URL split into scheme-less parts: (authority, path prefix).
+pub(crate) fn split_url(url: &str) -> Result<(http::uri::Authority, String), String> {
+    let uri: http::Uri = url
+        .parse()
+        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
+    match uri.scheme_str() {
+        Some("http") => {}
+        Some("https") => {
+            return Err(format!(
+                "{url}: https upstreams are not supported; terminate TLS in front of the replica"
+            ))
+        }
+        _ => return Err(format!("{url:?} must start with http://")),
+    }
+    let authority = uri
+        .authority()
+        .cloned()
+        .ok_or_else(|| format!("{url:?} has no host"))?;
+    if authority.port_u16().is_none() {
+        return Err(format!(
+            "{url:?} needs a port (vLLM serves on 8000 by default)"
+        ));
+    }
+    let prefix = uri.path().trim_end_matches('/').to_owned();
+    Ok((authority, prefix))
+}
+
+fn validate_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) {
+    if let Err(e) = split_url(&r.url) {
+        errs.push(format!("{path}.url"), e);
+    }
+    if r.dp_ranks == 0 || r.dp_ranks > 1024 {
+        errs.push(format!("{path}.dp_ranks"), "must be within 1..=1024");
+    }
+    let Some(ev) = &r.events else { return };
+    let epath = format!("{path}.events");
+    match ev.source() {
+        Err(e) => errs.push(&epath, e),
+        Ok(EventSource::Discover) => {
+            if ev.replay.is_some() {
+                errs.push(
+                    format!("{epath}.replay"),
+                    "comes from the replica with `discover`; leave it out",
+                );
+            }
+        }
+        Ok(EventSource::Connect(ep) | EventSource::Bind(ep)) => {
+            check_endpoint(&ep, r.dp_ranks, &epath, errs);
+            if let Some(rep) = &ev.replay {
+                check_endpoint(rep, r.dp_ranks, &format!("{epath}.replay"), errs);
+            }
+        }
+    }
+}
+
+fn check_endpoint(ep: &str, dp_ranks: u32, path: &str, errs: &mut Errors) {
+    let Some(rest) = ep.strip_prefix("tcp://") else {
+        errs.push(path, format!("{ep:?} must be a tcp:// endpoint"));
+        return;
+    };
+    match rest.rsplit_once(':').map(|(_, p)| p.parse::<u16>()) {
+        Some(Ok(port)) => {
+            if port == 0 && dp_ranks > 1 {
+                errs.push(
+                    path,
+                    format!("{ep}: port 0 leaves no base port for DP ranks above 0"),
+                );
+            }
+        }
+        _ => errs.push(path, format!("{ep:?} needs a numeric port")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+
+    fn tokenizer_dir() -> String {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer")
+            .display()
+            .to_string()
+    }
+
+    #[test]
+    fn example_file_parses_and_validates() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples/kinference.yaml");
+        let text = std::fs::read_to_string(path).unwrap();
+        // The example points at a model directory of a real deployment; swap in one that exists.
+        let text = text.replace("/models/llama-3.1-8b-instruct", &tokenizer_dir());
+        let text = text.replace("/models/qwen3-8b", &tokenizer_dir());
+        let cfg = Config::parse(&text).unwrap();
+        assert_eq!(cfg.validate(), vec![]);
+        assert_eq!(cfg.pools.len(), 2);
+        assert_eq!(cfg.pools[0].replicas.len(), 3);
+        assert_eq!(cfg.pools[0].replicas[2].dp_ranks, 2);
+        assert_eq!(cfg.pools[0].policy.name(), "precise");
+        assert_eq!(
+            cfg.pools[1].replicas[0].events.as_ref().unwrap().source(),
+            Ok(EventSource::Discover)
+        );
+    }
+
+    #[test]
+    fn structural_errors_in_several_places_are_all_reported() {
+        let text = format!(
+            r#"
+listen: 127.0.0.1:8080
+pools:
+  - models: [a]
+    tokenizer: {tok}
+    block_size: 16
+    colour: blue
+    replicas: [http://127.0.0.1:8001]
+  - models: [b]
+    tokenizer: {tok}
+    block_size: 16
+    replicas:
+      - url: http://127.0.0.1:8002
+        dp: 2
+      - url: http://127.0.0.1:8003
+        events: {{connect: tcp://127.0.0.1:5557}}
+  - models: [c]
+    tokenizer: {tok}
+    block_size: sixteen
+    replicas: [http://127.0.0.1:8004]
+"#,
+            tok = tokenizer_dir()
+        );
+        let errs = Config::parse(&text).unwrap_err().0;
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            ["pools[0]", "pools[1].replicas[0]", "pools[2]"],
+            "{errs:?}"
+        );
+        assert!(errs[0].message.contains("colour"), "{}", errs[0]);
+        assert!(errs[1].message.contains("dp"), "{}", errs[1]);
+    }
+
+    #[test]
+    fn every_bad_value_is_reported_at_once() {
+        let text = format!(
+            r#"
+listen: nowhere
+timeouts: {{connect_ms: 0}}
+limits: {{max_attempts: 0}}
+pools:
+  - models: [a]
+    tokenizer: /does/not/exist
+    block_size: 0
+    hash_algo: md5
+    policy: {{kind: precise, fair_share_cap: 0.5}}
+    replicas:
+      - url: https://127.0.0.1:8001
+      - url: http://127.0.0.1:8002
+        events: {{connect: tcp://h:5557, discover: true}}
+  - models: [b, a]
+    tokenizer: {tok}
+    block_size: 16
+    hash_algo: xxhash
+    replicas:
+      - url: http://127.0.0.1:8003
+        dp_ranks: 2
+        events: {{bind: "tcp://0.0.0.0:0"}}
+"#,
+            tok = tokenizer_dir()
+        );
+        let cfg = Config::parse(&text).unwrap();
+        let errs: Vec<String> = cfg.validate().iter().map(ToString::to_string).collect();
+        let expect = [
+            "listen:",
+            "timeouts.connect_ms:",
+            "limits.max_attempts:",
+            "pools[0].tokenizer:",
+            "pools[0].block_size:",
+            "pools[0].hash_algo:",
+            "pools[0].policy.fair_share_cap:",
+            "pools[0].replicas[0].url:",
+            "pools[0].replicas[1].events:",
+            "pools[1].models: model `a` is already served",
+            "pools[1].hash_seed:",
+            "pools[1].replicas[0].events:",
+        ];
+        for e in expect {
+            assert!(
+                errs.iter().any(|got| got.starts_with(e)),
+                "missing {e:?} in {errs:#?}"
+            );
+        }
+        assert_eq!(errs.len(), expect.len(), "{errs:#?}");
+    }
+
+    #[test]
+    fn replica_flag() {
+        let r = ReplicaSpec::from_flag(
+            "http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dp=2",
+        )
+        .unwrap();
+        assert_eq!(r.url, "http://127.0.0.1:8001");
+        assert_eq!(r.dp_ranks, 2);
+        let ev = r.events.unwrap();
+        assert_eq!(
+            ev.source(),
+            Ok(EventSource::Connect("tcp://127.0.0.1:5557".into()))
+        );
+        assert_eq!(ev.replay.as_deref(), Some("tcp://127.0.0.1:5558"));
+        let r = ReplicaSpec::from_flag("http://h:1,events=discover,topic=kv").unwrap();
+        assert_eq!(
+            r.events.as_ref().unwrap().source(),
+            Ok(EventSource::Discover)
+        );
+        assert_eq!(r.events.unwrap().topic, "kv");
+        assert!(ReplicaSpec::from_flag("http://h:1")
+            .unwrap()
+            .events
+            .is_none());
+        assert!(ReplicaSpec::from_flag("http://h:1,colour=blue").is_err());
+        assert!(ReplicaSpec::from_flag("http://h:1,dp=x").is_err());
+    }
+
+    #[test]
+    fn policy_flag() {
+        assert_eq!(parse_policy("round-robin").unwrap().name(), "round-robin");
+        let p = parse_policy("{kind: precise, load_weight_tokens: 512}").unwrap();
+        let PolicyConfig::Precise(c) = p else {
+            panic!("{p:?}")
+        };
+        assert_eq!(c.load_weight_tokens, 512.0);
+        assert!(parse_policy("fastest").is_err());
+        assert!(parse_policy("{kind: precise, fair_share_cap: 0.1}").is_err());
+    }
+}

@@ -1,0 +1,168 @@
+//! KV-event endpoint discovery through a replica's `GET /kv_event_sources`
+//! (`{dp_rank: KVEventsConfig}` with resolved endpoints), retried until it succeeds.
+//!
+//! Invariants: an endpoint a publisher bound on a wildcard host (`*`, `0.0.0.0`, `::`) is
+//! dialled at the replica's own host; any other endpoint follows vLLM's rule (the publisher
+//! connected to it, so the router binds it). The event plane offsets a base endpoint by the DP
+//! rank, so the per-rank endpoints the replica reports are turned back into base endpoints
+//! (port − rank) before subscribing.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kinference_events::{EventPlane, WorkerConfig};
+use kinference_vllm::DpRank;
+use serde::Deserialize;
+
+use crate::fleet::{Fleet, Replica};
+
+/// One rank's entry of `/kv_event_sources`.
+#[derive(Clone, Debug, Deserialize)]
+struct Source {
+    endpoint: String,
+    #[serde(default)]
+    replay_endpoint: Option<String>,
+    #[serde(default)]
+    topic: Option<String>,
+    #[serde(default = "yes")]
+    enable_kv_cache_events: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Host and port of `tcp://HOST:PORT` (IPv6 hosts in brackets).
+fn split_tcp(ep: &str) -> Option<(&str, u16)> {
+    let rest = ep.strip_prefix("tcp://")?;
+    let (host, port) = rest.rsplit_once(':')?;
+    Some((host, port.parse().ok()?))
+}
+
+fn is_wildcard(host: &str) -> bool {
+    matches!(host, "*" | "0.0.0.0" | "::" | "[::]" | "[*]")
+}
+
+/// (our socket binds?, base address) for a rank's reported endpoint.
+fn resolve(ep: &str, rank: u32, replica_host: &str) -> Result<(bool, String), String> {
+    let (host, port) = split_tcp(ep).ok_or_else(|| format!("unsupported endpoint {ep:?}"))?;
+    let base_port = port
+        .checked_sub(u16::try_from(rank).map_err(|_| "rank too large".to_owned())?)
+        .ok_or_else(|| format!("{ep}: port below its DP rank {rank}"))?;
+    if is_wildcard(host) {
+        Ok((false, format!("tcp://{replica_host}:{base_port}")))
+    } else {
+        Ok((true, format!("tcp://{host}:{base_port}")))
+    }
+}
+
+fn replay_base(ep: &str, rank: u32, replica_host: &str) -> Result<String, String> {
+    // A replay ROUTER always binds: dial it, at the replica's host when it bound a wildcard.
+    resolve(ep, rank, replica_host).map(|(_, a)| a)
+}
+
+/// Fetches the sources and subscribes to each rank; returns the number of ranks subscribed.
+async fn discover_once(
+    fleet: &Fleet,
+    plane: &EventPlane,
+    replica: &Replica,
+) -> Result<usize, String> {
+    let (status, body) = fleet
+        .upstream
+        .get(
+            replica,
+            "/kv_event_sources",
+            fleet.settings.scrape_timeout,
+            1 << 20,
+        )
+        .await?;
+    if !status.is_success() {
+        return Err(format!("/kv_event_sources answered {status}"));
+    }
+    let sources: std::collections::BTreeMap<String, Source> =
+        serde_json::from_slice(&body).map_err(|e| format!("/kv_event_sources: {e}"))?;
+    let host = replica.authority.host();
+    let mut added = 0;
+    let single = replica.dp_size() == 1 && sources.len() == 1;
+    for (key, src) in &sources {
+        if !src.enable_kv_cache_events {
+            continue;
+        }
+        let reported: u32 = key
+            .parse()
+            .map_err(|_| format!("/kv_event_sources: rank {key:?} is not a number"))?;
+        // A single-rank replica serving global rank r (external DP load balancing) is worker 0
+        // here, and its endpoints are its own (no offset to undo).
+        let (rank, offset) = if single { (0, 0) } else { (reported, reported) };
+        if rank as usize >= replica.dp_size() {
+            tracing::warn!(replica = %replica.url, rank, "event source for a rank beyond dp_ranks; ignored");
+            continue;
+        }
+        let (bind, base) = resolve(&src.endpoint, offset, host)?;
+        let mut wc = if bind {
+            WorkerConfig::bind(replica.id, DpRank(rank), &base)
+        } else {
+            WorkerConfig::connect(replica.id, DpRank(rank), &base)
+        };
+        let topic = src.topic.clone().unwrap_or_else(|| replica.topic.clone());
+        wc = wc.with_topic(&topic);
+        if let Some(rep) = &src.replay_endpoint {
+            wc = wc.with_replay(&replay_base(rep, offset, host)?);
+        }
+        match plane.add_worker(wc).await {
+            Ok(_) | Err(kinference_events::EventsError::DuplicateWorker(_)) => added += 1,
+            Err(e) => return Err(e.to_string()),
+        }
+    }
+    Ok(added)
+}
+
+/// Retries discovery with capped backoff until the replica answers; aborted at shutdown.
+pub(crate) async fn run(fleet: Arc<Fleet>, pool: usize, replica: Arc<Replica>) {
+    let mut wait = Duration::from_millis(200);
+    loop {
+        let plane = fleet.pools.get(pool).and_then(|p| p.plane());
+        let Some(plane) = plane else { return };
+        match discover_once(&fleet, &plane, &replica).await {
+            Ok(n) => {
+                tracing::info!(replica = %replica.url, ranks = n, "KV-event sources discovered");
+                replica.info.lock().events_error = None;
+                fleet.bump();
+                return;
+            }
+            Err(e) => {
+                tracing::debug!(replica = %replica.url, error = %e, "KV-event discovery failed; retrying");
+                replica.info.lock().events_error = Some(e);
+                fleet.bump();
+            }
+        }
+        drop(plane);
+        tokio::time::sleep(wait).await;
+        wait = (wait * 2).min(Duration::from_secs(30));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn endpoints_resolve_like_vllm_binds_them() {
+        assert_eq!(
+            resolve("tcp://*:5557", 0, "10.0.0.5").unwrap(),
+            (false, "tcp://10.0.0.5:5557".into())
+        );
+        assert_eq!(
+            resolve("tcp://0.0.0.0:5559", 2, "h").unwrap(),
+            (false, "tcp://h:5557".into())
+        );
+        assert_eq!(
+            resolve("tcp://10.0.0.9:6000", 0, "h").unwrap(),
+            (true, "tcp://10.0.0.9:6000".into())
+        );
+        assert!(resolve("ipc:///tmp/x", 0, "h").is_err());
+        assert!(resolve("tcp://*:1", 2, "h").is_err());
+    }
+}

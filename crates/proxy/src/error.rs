@@ -1,0 +1,133 @@
+//! Errors: the ones a request can end with (answered in OpenAI's JSON shape) and the ones that
+//! stop the router from starting.
+//!
+//! Every [`RequestError`] names its side (the client's request, a replica, or the router) and has
+//! a stable metric label; none of them is a panic, and each becomes exactly one HTTP response.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+
+use crate::api::{ErrorBody, ErrorDetail};
+use crate::config::ConfigErrors;
+
+/// Why a request was answered by the router itself instead of a replica.
+#[derive(Debug, thiserror::Error)]
+pub enum RequestError {
+    /// The body is not JSON, or not the shape the endpoint needs.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The body is larger than `max_body_bytes`.
+    #[error("request body is larger than the limit of {limit} bytes")]
+    TooLarge { limit: usize },
+    /// No pool serves the requested model.
+    #[error("The model `{0}` does not exist.")]
+    UnknownModel(String),
+    /// Every replica the request could go to refused it before anything was sent.
+    #[error("no usable replica for pool `{pool}`: {detail}")]
+    NoReplica { pool: String, detail: String },
+    /// A replica failed after the request was sent to it (not retried: it may have run).
+    #[error("replica {replica} failed: {detail}")]
+    Upstream { replica: String, detail: String },
+    /// A replica sent no response head within the first-byte timeout.
+    #[error("replica {replica} did not answer within {timeout_ms} ms")]
+    Timeout { replica: String, timeout_ms: u64 },
+    /// The client's body could not be read.
+    #[error("reading the request body failed: {0}")]
+    ClientBody(String),
+}
+
+impl RequestError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            RequestError::BadRequest(_) | RequestError::ClientBody(_) => StatusCode::BAD_REQUEST,
+            RequestError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            RequestError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            RequestError::NoReplica { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            RequestError::Upstream { .. } => StatusCode::BAD_GATEWAY,
+            RequestError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+        }
+    }
+
+    /// vLLM's error class name for the `type` field.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            RequestError::BadRequest(_) | RequestError::ClientBody(_) => "BadRequestError",
+            RequestError::TooLarge { .. } => "RequestTooLargeError",
+            RequestError::UnknownModel(_) => "NotFoundError",
+            RequestError::NoReplica { .. } => "ServiceUnavailableError",
+            RequestError::Upstream { .. } => "BadGatewayError",
+            RequestError::Timeout { .. } => "GatewayTimeoutError",
+        }
+    }
+
+    /// A stable, low-cardinality label for metrics.
+    pub fn label(&self) -> &'static str {
+        match self {
+            RequestError::BadRequest(_) => "bad_request",
+            RequestError::ClientBody(_) => "client_body",
+            RequestError::TooLarge { .. } => "too_large",
+            RequestError::UnknownModel(_) => "unknown_model",
+            RequestError::NoReplica { .. } => "no_replica",
+            RequestError::Upstream { .. } => "upstream",
+            RequestError::Timeout { .. } => "timeout",
+        }
+    }
+
+    pub fn body(&self) -> ErrorBody {
+        let param = match self {
+            RequestError::UnknownModel(_) => Some("model".to_owned()),
+            _ => None,
+        };
+        ErrorBody {
+            error: ErrorDetail {
+                message: self.to_string(),
+                kind: self.kind().to_owned(),
+                param,
+                code: self.status().as_u16(),
+            },
+        }
+    }
+}
+
+impl IntoResponse for RequestError {
+    fn into_response(self) -> Response {
+        json_response(self.status(), &self.body())
+    }
+}
+
+/// A JSON response with the right content type; serialization of these plain types cannot
+/// fail, but if it did the client still gets the status with an empty object.
+pub(crate) fn json_response<T: serde::Serialize>(status: StatusCode, value: &T) -> Response {
+    let body = serde_json::to_vec(value).unwrap_or_else(|_| b"{}".to_vec());
+    let mut resp = (status, body).into_response();
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}
+
+/// Why the router could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("{0}")]
+    Config(#[from] ConfigErrors),
+    #[error("pool `{pool}`: loading the tokenizer from {dir}: {source}")]
+    Tokenizer {
+        pool: String,
+        dir: String,
+        source: kinference_tokenize::TokenizeError,
+    },
+    #[error("pool `{pool}`: {source}")]
+    Events {
+        pool: String,
+        source: kinference_events::EventsError,
+    },
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+}

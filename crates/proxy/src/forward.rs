@@ -1,0 +1,460 @@
+//! Forwarding one request: try the ranked replicas in order while nothing was sent, then
+//! stream the chosen replica's response back chunk by chunk.
+//!
+//! ```text
+//!  targets[0] ──connect refused / 503 head──▶ targets[1] ──▶ ... (max_attempts)
+//!      │ response head
+//!      ▼
+//!  UpstreamBody: frame ──▶ client   (then: usage scan, prefill release, idle timer reset)
+//!      ├─ end of body   → metrics, in-flight guard dropped
+//!      ├─ upstream error / idle / total timeout → SSE error event (streams) or reset
+//!      └─ dropped early (client gone) → upstream connection dropped, guard dropped
+//! ```
+//!
+//! Invariants: a request moves to another replica only when the attempt failed to connect, or
+//! the replica answered 503 before any body byte reached the client; after a response head is
+//! passed on, the request is never replayed. Each frame is handed on as soon as it arrives
+//! (nothing waits for more bytes), and the in-flight guard lives in the response body, so it is
+//! released however the response ends.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::response::{IntoResponse, Response};
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode};
+use http_body::{Body as _, Frame, SizeHint};
+use hyper::body::Incoming;
+use tokio::time::{Instant, Sleep};
+
+use crate::error::RequestError;
+use crate::fleet::{Fleet, InFlight, Replica};
+use crate::metrics::{PoolKind, PoolLabel, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
+use crate::upstream::{build_request, error_chain, response_headers};
+use crate::usage::UsageScanner;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One replica (and DP rank) to try.
+#[derive(Debug)]
+pub(crate) struct Target {
+    pub replica: Arc<Replica>,
+    pub rank: usize,
+    /// Send `X-data-parallel-rank` (the replica has several ranks and the policy chose one).
+    pub pin_rank: bool,
+    /// Prompt tokens the policy expects this worker to serve from cache.
+    pub predicted_cached: u32,
+}
+
+/// What a forwarded request carries besides its targets.
+#[derive(Debug)]
+pub(crate) struct Forward {
+    pub route: &'static str,
+    /// The pool, for routed requests (usage and prefill accounting).
+    pub pool: Option<String>,
+    pub prompt_tokens: u32,
+    pub method: Method,
+    pub path_and_query: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub start: Instant,
+}
+
+/// Records a response the router answered itself.
+pub(crate) fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> Response {
+    let status = err.status();
+    if status.is_server_error() {
+        tracing::warn!(route, error = %err, "request failed");
+    } else {
+        tracing::debug!(route, error = %err, "request refused");
+    }
+    fleet
+        .metrics
+        .router_errors
+        .get_or_create(&crate::metrics::KindLabel { kind: err.label() })
+        .inc();
+    fleet
+        .metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            route,
+            replica: String::new(),
+            status: status.as_u16(),
+        })
+        .inc();
+    err.into_response()
+}
+
+/// Sends the request to the first target that takes it; the index of that target comes back
+/// with the response (`None` when the router answered).
+pub(crate) async fn forward(
+    fleet: &Arc<Fleet>,
+    req: Forward,
+    targets: &[Target],
+) -> (Response, Option<usize>) {
+    let settings = &fleet.settings;
+    let attempts = targets.len().min(settings.max_attempts.max(1) as usize);
+    let mut failures: Vec<String> = Vec::new();
+    for (i, t) in targets.iter().take(attempts).enumerate() {
+        let prefill = if req.pool.is_some() {
+            u64::from(req.prompt_tokens.saturating_sub(t.predicted_cached))
+        } else {
+            0
+        };
+        let guard = InFlight::new(t.replica.clone(), t.rank, prefill, fleet.changed.clone());
+        let rank = t.pin_rank.then_some(t.rank);
+        let upstream_req = match build_request(
+            &req.method,
+            &req.path_and_query,
+            &req.headers,
+            req.body.clone(),
+            &t.replica,
+            rank,
+        ) {
+            Ok(r) => r,
+            Err(e) => {
+                failures.push(format!("{}: {e}", t.replica.url));
+                continue;
+            }
+        };
+        let first_byte = settings.timeouts.first_byte();
+        let sent = tokio::time::timeout(first_byte, fleet.upstream.send(upstream_req)).await;
+        let more = i + 1 < attempts;
+        match sent {
+            Err(_) => {
+                fail_count(fleet, &t.replica, "first_byte_timeout");
+                let err = RequestError::Timeout {
+                    replica: t.replica.url.clone(),
+                    timeout_ms: settings.timeouts.first_byte_ms,
+                };
+                return (reject(fleet, req.route, err), None);
+            }
+            Ok(Err(e)) if e.is_connect() => {
+                let msg = error_chain(&e);
+                fail_count(fleet, &t.replica, "connect");
+                if t.replica.set_down(msg.clone()) {
+                    tracing::warn!(replica = %t.replica.url, error = %msg, "replica unreachable; marked down");
+                    fleet.bump();
+                }
+                if more {
+                    count_retry(fleet, &req, "connect");
+                }
+                failures.push(format!("{}: {msg}", t.replica.url));
+            }
+            Ok(Err(e)) => {
+                // Sent (at least partly): the replica may have started on it, so no retry.
+                let msg = error_chain(&e);
+                fail_count(fleet, &t.replica, "request");
+                let err = RequestError::Upstream {
+                    replica: t.replica.url.clone(),
+                    detail: msg,
+                };
+                return (reject(fleet, req.route, err), None);
+            }
+            Ok(Ok(resp)) => {
+                if resp.status() == StatusCode::SERVICE_UNAVAILABLE && more {
+                    fail_count(fleet, &t.replica, "unavailable");
+                    count_retry(fleet, &req, "unavailable");
+                    failures.push(format!("{}: answered 503", t.replica.url));
+                    continue;
+                }
+                if t.replica.health() != crate::api::Health::Up {
+                    t.replica.set_up();
+                    fleet.bump();
+                }
+                return (respond(fleet, req, t, guard, resp), Some(i));
+            }
+        }
+    }
+    let pool = req.pool.clone().unwrap_or_default();
+    let detail = if failures.is_empty() {
+        "no replica is configured".to_owned()
+    } else {
+        failures.join("; ")
+    };
+    (
+        reject(fleet, req.route, RequestError::NoReplica { pool, detail }),
+        None,
+    )
+}
+
+fn fail_count(fleet: &Fleet, replica: &Replica, kind: &'static str) {
+    fleet
+        .metrics
+        .upstream_failures
+        .get_or_create(&ReplicaKind {
+            replica: replica.url.clone(),
+            kind,
+        })
+        .inc();
+}
+
+fn count_retry(fleet: &Fleet, req: &Forward, kind: &'static str) {
+    fleet
+        .metrics
+        .retries
+        .get_or_create(&PoolKind {
+            pool: req.pool.clone().unwrap_or_default(),
+            kind,
+        })
+        .inc();
+}
+
+fn respond(
+    fleet: &Arc<Fleet>,
+    req: Forward,
+    t: &Target,
+    guard: InFlight,
+    resp: http::Response<Incoming>,
+) -> Response {
+    let (parts, incoming) = resp.into_parts();
+    let status = parts.status;
+    let mut headers = response_headers(&parts.headers);
+    fleet
+        .metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            route: req.route,
+            replica: t.replica.url.clone(),
+            status: status.as_u16(),
+        })
+        .inc();
+    if fleet.settings.expose_endpoint_header {
+        if let Ok(v) = HeaderValue::from_str(t.replica.authority.as_str()) {
+            headers.insert(HeaderName::from_static("x-kinference-endpoint"), v);
+        }
+        headers.insert(
+            HeaderName::from_static("x-kinference-dp-rank"),
+            HeaderValue::from(t.rank),
+        );
+    }
+    let sse = headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+        && !headers.contains_key(header::CONTENT_LENGTH);
+    let timeouts = &fleet.settings.timeouts;
+    let body = UpstreamBody {
+        inner: incoming,
+        guard: Some(guard),
+        idle: Box::pin(tokio::time::sleep(timeouts.idle())),
+        idle_after: timeouts.idle(),
+        total: timeouts
+            .total()
+            .map(|d| Box::pin(tokio::time::sleep_until(req.start + d))),
+        scanner: req.pool.as_ref().map(|_| UsageScanner::default()),
+        sse,
+        first_seen: false,
+        finished: false,
+        obs: Observer {
+            fleet: fleet.clone(),
+            route: req.route,
+            replica: t.replica.url.clone(),
+            pool: req.pool,
+            predicted_cached: t.predicted_cached,
+            start: req.start,
+        },
+    };
+    let mut out = Response::new(Body::new(body));
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}
+
+/// What the body records when it ends.
+#[derive(Debug)]
+struct Observer {
+    fleet: Arc<Fleet>,
+    route: &'static str,
+    replica: String,
+    pool: Option<String>,
+    predicted_cached: u32,
+    start: Instant,
+}
+
+impl Observer {
+    fn labels(&self) -> RouteReplica {
+        RouteReplica {
+            route: self.route,
+            replica: self.replica.clone(),
+        }
+    }
+}
+
+/// The replica's response body on its way to the client.
+#[derive(Debug)]
+struct UpstreamBody {
+    inner: Incoming,
+    guard: Option<InFlight>,
+    idle: Pin<Box<Sleep>>,
+    idle_after: Duration,
+    total: Option<Pin<Box<Sleep>>>,
+    scanner: Option<UsageScanner>,
+    /// An event stream without a length: a failure can be reported as a last SSE event.
+    sse: bool,
+    first_seen: bool,
+    finished: bool,
+    obs: Observer,
+}
+
+impl UpstreamBody {
+    /// The response ended normally.
+    fn finish(&mut self) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        let m = &self.obs.fleet.metrics;
+        m.duration
+            .get_or_create(&self.obs.labels())
+            .observe(self.obs.start.elapsed().as_secs_f64());
+        if let (Some(pool), Some(actual)) = (
+            &self.obs.pool,
+            self.scanner.as_ref().and_then(UsageScanner::cached_tokens),
+        ) {
+            let pk = |kind| PoolKind {
+                pool: pool.clone(),
+                kind,
+            };
+            m.cached_tokens
+                .get_or_create(&pk("predicted"))
+                .inc_by(u64::from(self.obs.predicted_cached));
+            m.cached_tokens.get_or_create(&pk("actual")).inc_by(actual);
+            m.usage_observed
+                .get_or_create(&PoolLabel { pool: pool.clone() })
+                .inc();
+        }
+        self.guard = None;
+    }
+
+    /// The response cannot go on: an SSE stream gets a last error event, anything else is cut.
+    fn fail(
+        &mut self,
+        kind: &'static str,
+        detail: String,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.finished = true;
+        self.guard = None;
+        let m = &self.obs.fleet.metrics;
+        m.upstream_failures
+            .get_or_create(&ReplicaKind {
+                replica: self.obs.replica.clone(),
+                kind,
+            })
+            .inc();
+        tracing::warn!(replica = %self.obs.replica, kind, error = %detail, "response cut short");
+        let message = format!(
+            "replica {} failed mid-response ({kind}): {detail}",
+            self.obs.replica
+        );
+        if self.sse {
+            let body = RequestError::Upstream {
+                replica: self.obs.replica.clone(),
+                detail: message,
+            }
+            .body();
+            let json = serde_json::to_string(&body).unwrap_or_default();
+            let event = Bytes::from(format!("data: {json}\n\n"));
+            Poll::Ready(Some(Ok(Frame::data(event))))
+        } else {
+            Poll::Ready(Some(Err(message.into())))
+        }
+    }
+}
+
+impl http_body::Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = self.get_mut();
+        if this.finished {
+            return Poll::Ready(None);
+        }
+        if let Some(total) = this.total.as_mut() {
+            if total.as_mut().poll(cx).is_ready() {
+                return this.fail("total_timeout", "the response took too long".to_owned());
+            }
+        }
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    if !this.first_seen && !data.is_empty() {
+                        this.first_seen = true;
+                        if let Some(g) = this.guard.as_mut() {
+                            g.release_prefill();
+                        }
+                        this.obs
+                            .fleet
+                            .metrics
+                            .first_byte
+                            .get_or_create(&this.obs.labels())
+                            .observe(this.obs.start.elapsed().as_secs_f64());
+                    }
+                    if let Some(s) = this.scanner.as_mut() {
+                        s.feed(data);
+                    }
+                }
+                let deadline = Instant::now() + this.idle_after;
+                this.idle.as_mut().reset(deadline);
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => this.fail("stream", error_chain(&e)),
+            Poll::Ready(None) => {
+                this.finish();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if this.idle.as_mut().poll(cx).is_ready() {
+                    let ms = this.idle_after.as_millis();
+                    return this.fail("idle_timeout", format!("no data for {ms} ms"));
+                }
+                Poll::Pending
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        if self.finished {
+            SizeHint::with_exact(0)
+        } else {
+            self.inner.size_hint()
+        }
+    }
+}
+
+impl Drop for UpstreamBody {
+    fn drop(&mut self) {
+        if self.finished {
+            return;
+        }
+        if self.inner.is_end_stream() {
+            // The server saw the end through `is_end_stream` and stopped polling.
+            self.finish();
+            return;
+        }
+        // The client went away: dropping `inner` closes the upstream connection, which makes
+        // the replica abort the request; the guard releases the in-flight counts.
+        self.obs
+            .fleet
+            .metrics
+            .client_disconnects
+            .get_or_create(&RouteLabel {
+                route: self.obs.route,
+            })
+            .inc();
+        tracing::debug!(replica = %self.obs.replica, "client disconnected; upstream request dropped");
+    }
+}

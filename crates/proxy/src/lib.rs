@@ -1,0 +1,322 @@
+//! kinference-proxy: the router's data plane (an OpenAI/vLLM-compatible HTTP proxy that sends
+//! each request to the replica already caching its prompt's prefix) and its admin port.
+//!
+//! # Request flow
+//!
+//! ```text
+//!  client ─HTTP/1.1|h2─▶ data port (TCP_NODELAY)
+//!    POST /v1/completions | /v1/chat/completions
+//!      read body (≤ max_body_bytes, else 413) ── parse `model` (400) ── pool lookup (404)
+//!      tokenize once, as vLLM does ── block hashes (pool's block size, algorithm, seed,
+//!                                     LoRA, cache_salt)
+//!      Pool::candidates: one index read lock (longest_prefix) + load atomics per worker
+//!      policy lock: select + apply (speculative entries) ── Decision.ranked
+//!      forward the original bytes to ranked[0] (+ X-data-parallel-rank when D > 1);
+//!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503)
+//!      stream the response back frame by frame: first byte releases predicted prefill
+//!        tokens, cached_tokens is read from usage as it passes, the body owns the in-flight
+//!        guard
+//!    GET /v1/models: every pool's models, described by the replicas
+//!    anything else: passed through to the least loaded replica of the request's pool
+//!
+//!  per replica: scraper task (GET /metrics every interval: running, waiting, KV usage,
+//!               vllm:cache_config_info → scorable or not; health)
+//!  per pool:    EventPlane (ZMQ SUB per DP rank → index), policy expiry task
+//!  admin port:  /metrics /healthz /readyz /debug/explain /debug/replicas
+//! ```
+//!
+//! # Invariants
+//!
+//! * The body forwarded is byte for byte the body received; only hop-by-hop headers, `Host`
+//!   and vLLM's DP-rank header are changed.
+//! * A request moves to another replica only while nothing of it can have run: the connection
+//!   failed, or the replica answered 503 before any body byte went to the client.
+//! * Responses are never buffered: every upstream frame is handed to the client as it arrives,
+//!   on sockets with `TCP_NODELAY` on both sides.
+//! * The router's in-flight counts per worker are held by a guard that lives in the response
+//!   body; success, upstream failure, timeout and client disconnect all release it. A client
+//!   that goes away drops the upstream connection, which makes vLLM abort the request.
+//! * Routing never waits on the index: a replica without events, with stale events, or whose
+//!   hashes the router cannot reproduce (unscorable) is ranked by load.
+//! * Every error the router answers itself is `{"error": {"message", "type", "param",
+//!   "code"}}` with the matching status; no input makes a handler panic or hang (every
+//!   upstream wait has a timeout).
+//! * Prompts are never logged.
+//! * Time for the policies is tokio's clock, so paused-time tests drive expiry.
+
+mod admin;
+pub mod api;
+pub mod config;
+mod discovery;
+pub mod error;
+mod fleet;
+mod forward;
+mod metrics;
+mod route;
+mod scrape;
+mod server;
+mod upstream;
+mod usage;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::serve::ListenerExt;
+use kinference_events::{EventsError, WorkerHealth};
+use kinference_vllm::DpRank;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub use api::{ReadyResponse, ReplicasResponse};
+pub use config::{
+    parse_policy, Config, ConfigError, ConfigErrors, EventsSpec, PoolConfig, ReplicaSpec,
+};
+pub use error::{RequestError, StartError};
+
+use crate::admin::AdminState;
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+use crate::upstream::Upstream;
+
+/// A running router: both ports served, background tasks running.
+#[derive(Debug)]
+pub struct Proxy {
+    data_addr: SocketAddr,
+    admin_addr: SocketAddr,
+    fleet: Arc<Fleet>,
+    stop: CancellationToken,
+    servers: Vec<JoinHandle<()>>,
+    background: Vec<JoinHandle<()>>,
+}
+
+impl Proxy {
+    /// Validates `config`, binds its `listen` and `admin` addresses and starts.
+    pub async fn start(config: Config) -> Result<Proxy, StartError> {
+        config.check()?;
+        let bind = |addr: String| async move {
+            TcpListener::bind(&addr)
+                .await
+                .map_err(|source| StartError::Bind { addr, source })
+        };
+        let data = bind(config.listen.clone()).await?;
+        let admin = bind(config.admin.clone()).await?;
+        Self::start_with(config, data, admin).await
+    }
+
+    /// Starts on listeners bound by the caller (`listen` and `admin` in `config` are unused).
+    pub async fn start_with(
+        config: Config,
+        data: TcpListener,
+        admin: TcpListener,
+    ) -> Result<Proxy, StartError> {
+        config.check()?;
+        let metrics = Metrics::new();
+        let upstream = Upstream::new(config.timeouts.connect());
+        let (fleet, discoveries) = fleet::build(&config, metrics.clone(), upstream).await?;
+        let fleet = Arc::new(fleet);
+        let registry = metrics.registry(fleet.clone());
+        let mut background = Vec::new();
+        for d in discoveries {
+            background.push(tokio::spawn(discovery::run(
+                fleet.clone(),
+                d.pool,
+                d.replica,
+            )));
+        }
+        if let Some(every) = fleet.settings.scrape_interval {
+            for pool in &fleet.pools {
+                for r in &pool.replicas {
+                    background.push(tokio::spawn(scrape::run(
+                        fleet.clone(),
+                        pool.clone(),
+                        r.clone(),
+                        every,
+                    )));
+                }
+            }
+        }
+        for pool in &fleet.pools {
+            let (f, p) = (fleet.clone(), pool.clone());
+            background.push(tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_secs(1));
+                loop {
+                    tick.tick().await;
+                    let now = f.now();
+                    p.policy.lock().expire(now);
+                }
+            }));
+        }
+        let stop = CancellationToken::new();
+        let data_addr = data.local_addr()?;
+        let admin_addr = admin.local_addr()?;
+        let data_app = server::router(fleet.clone());
+        let admin_app = admin::router(Arc::new(AdminState {
+            fleet: fleet.clone(),
+            registry,
+        }));
+        let servers = vec![
+            tokio::spawn(serve(data, data_app, stop.clone(), "data")),
+            tokio::spawn(serve(admin, admin_app, stop.clone(), "admin")),
+        ];
+        tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), "router started");
+        Ok(Proxy {
+            data_addr,
+            admin_addr,
+            fleet,
+            stop,
+            servers,
+            background,
+        })
+    }
+
+    /// The data port (the OpenAI API).
+    pub fn data_addr(&self) -> SocketAddr {
+        self.data_addr
+    }
+
+    /// The admin port.
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin_addr
+    }
+
+    /// What `/debug/replicas` answers now.
+    pub fn status(&self) -> ReplicasResponse {
+        admin::snapshot(&self.fleet)
+    }
+
+    /// What `/readyz` answers now.
+    pub fn readiness(&self) -> ReadyResponse {
+        admin::readiness(&self.fleet)
+    }
+
+    /// Requests in flight through the router, all pools.
+    pub fn in_flight(&self) -> u64 {
+        self.fleet.in_flight()
+    }
+
+    /// Waits until `pred` holds for the fleet's state (re-checked on every load, health or
+    /// in-flight change), at most `timeout`; the last state checked comes back either way.
+    pub async fn wait_until(
+        &self,
+        timeout: Duration,
+        pred: impl Fn(&ReplicasResponse) -> bool,
+    ) -> Result<ReplicasResponse, ReplicasResponse> {
+        let mut rx = self.fleet.changed.subscribe();
+        let waited = tokio::time::timeout(timeout, async {
+            loop {
+                let s = self.status();
+                if pred(&s) {
+                    return s;
+                }
+                if rx.changed().await.is_err() {
+                    std::future::pending::<()>().await;
+                }
+            }
+        })
+        .await;
+        waited.map_err(|_| self.status())
+    }
+
+    /// Waits until the KV-event stream of `replica_url`'s DP rank `rank` satisfies `pred`
+    /// (for example, the index holds its blocks), at most `timeout`. Works for discovered
+    /// streams too: it first waits for the subscription.
+    pub async fn wait_for_events(
+        &self,
+        replica_url: &str,
+        rank: u32,
+        timeout: Duration,
+        mut pred: impl FnMut(&WorkerHealth) -> bool,
+    ) -> Result<WorkerHealth, EventsError> {
+        let url = replica_url.trim_end_matches('/');
+        let found = self.fleet.pools.iter().find_map(|p| {
+            p.replicas.iter().find(|r| r.url == url).map(|r| {
+                (
+                    p.clone(),
+                    kinference_index::WorkerId::new(r.id, DpRank(rank)),
+                )
+            })
+        });
+        let Some((pool, worker)) = found else {
+            return Err(EventsError::Config(format!("no replica {url}")));
+        };
+        let mut changed = self.fleet.changed.subscribe();
+        let waited = tokio::time::timeout(timeout, async {
+            loop {
+                let plane = pool.plane().ok_or(EventsError::ShutDown)?;
+                if let Some(mut rx) = plane.watch_health(worker) {
+                    drop(plane);
+                    let h = rx
+                        .wait_for(&mut pred)
+                        .await
+                        .map_err(|_| EventsError::ShutDown)?;
+                    return Ok(h.clone());
+                }
+                drop(plane);
+                if changed.changed().await.is_err() {
+                    return Err(EventsError::ShutDown);
+                }
+            }
+        })
+        .await;
+        waited.unwrap_or(Err(EventsError::Timeout(timeout)))
+    }
+
+    /// Serves until `signal` completes, then shuts down.
+    pub async fn run_until(self, signal: impl Future<Output = ()>) {
+        signal.await;
+        tracing::info!("shutting down");
+        self.shutdown().await;
+    }
+
+    /// Stops accepting, lets running requests finish (up to `timeouts.drain_ms`), stops the
+    /// background tasks and the event planes.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        for h in &self.background {
+            h.abort();
+        }
+        let drain = self.fleet.settings.timeouts.drain();
+        for mut h in self.servers {
+            if tokio::time::timeout(drain, &mut h).await.is_err() {
+                tracing::warn!("requests still running after the drain time; cutting them");
+                h.abort();
+            }
+        }
+        for h in self.background {
+            let _ = h.await;
+        }
+        for pool in &self.fleet.pools {
+            if let Some(plane) = pool.take_plane() {
+                match Arc::try_unwrap(plane) {
+                    Ok(plane) => plane.shutdown().await,
+                    // Still referenced by a response in flight: dropping the last reference
+                    // cancels its tasks.
+                    Err(plane) => drop(plane),
+                }
+            }
+        }
+    }
+}
+
+async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    stop: CancellationToken,
+    port: &'static str,
+) {
+    let listener = listener.tap_io(|tcp| {
+        // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
+        }
+    });
+    let served = axum::serve(listener, app)
+        .with_graceful_shutdown(stop.cancelled_owned())
+        .await;
+    if let Err(e) = served {
+        tracing::error!(port, error = %e, "server stopped");
+    }
+}

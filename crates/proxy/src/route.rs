@@ -1,0 +1,217 @@
+//! The routing decision for one OpenAI request: body → pool → token ids → block hashes →
+//! candidates (index + load) → policy. Shared by the data plane and `/debug/explain`.
+//!
+//! Invariants: the body is parsed, never changed; a prompt is tokenized once; the index read
+//! lock is taken once (in [`Pool::candidates`]) and the policy lock once, for `select` and
+//! (on the data plane) `apply` together, so concurrent requests see each other's speculative
+//! entries. A prompt the router cannot tokenize (multimodal parts, a template it cannot render)
+//! is still forwarded, routed by load only; only a body that is not a request is refused.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+use kinference_policy::{Candidate, Decision, RequestCtx};
+use kinference_tokenize::{ChatRequest, CompletionRequest, TokenizeError};
+use kinference_vllm::{BlockHash, Lora, RequestExtras};
+use serde::Deserialize;
+
+use crate::api::{CandidateScore, ExplainResponse};
+use crate::error::RequestError;
+use crate::fleet::{Fleet, Pool};
+use crate::metrics::PoolKind;
+
+/// Which OpenAI API a routed request uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Api {
+    Completions,
+    Chat,
+}
+
+impl Api {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::Chat => "chat",
+        }
+    }
+
+    /// The `route` metric label.
+    pub fn route(self) -> &'static str {
+        match self {
+            Api::Completions => "completions",
+            Api::Chat => "chat_completions",
+        }
+    }
+}
+
+/// The request fields read besides the prompt.
+#[derive(Deserialize)]
+struct Head {
+    #[serde(default)]
+    model: Option<String>,
+    #[serde(default)]
+    cache_salt: Option<String>,
+}
+
+/// A parsed request, ready for a decision.
+#[derive(Debug)]
+pub(crate) struct Prepared<'f> {
+    pub pool: &'f Arc<Pool>,
+    pub model: String,
+    pub hashes: Vec<BlockHash>,
+    pub prompt_tokens: u32,
+    pub tokenize_error: Option<String>,
+    pub session: Option<String>,
+    pub ticket: u64,
+}
+
+/// Parses and tokenizes a request body and hashes its prompt's full blocks.
+/// With `peek`, the request does not take a ticket (explaining must not move the rotation).
+pub(crate) fn prepare<'f>(
+    fleet: &'f Fleet,
+    api: Api,
+    body: &[u8],
+    headers: &HeaderMap,
+    peek: bool,
+) -> Result<Prepared<'f>, RequestError> {
+    let head: Head = serde_json::from_slice(body)
+        .map_err(|e| RequestError::BadRequest(format!("the body is not a JSON request: {e}")))?;
+    let (pool, lora) = fleet.lookup(head.model.as_deref())?;
+    let model = head
+        .model
+        .clone()
+        .or_else(|| pool.models.first().cloned())
+        .unwrap_or_default();
+    let (tokens, tokenize_error) = match tokenize(pool, api, body) {
+        Ok(t) => (t, None),
+        Err(TokenizeError::InvalidRequest(m)) => return Err(RequestError::BadRequest(m)),
+        Err(e) => {
+            fleet
+                .metrics
+                .tokenize_fallbacks
+                .get_or_create(&PoolKind {
+                    pool: pool.name.clone(),
+                    kind: e.metric_label(),
+                })
+                .inc();
+            tracing::debug!(pool = %pool.name, kind = e.metric_label(), "routing by load only: the prompt could not be tokenized");
+            (Vec::new(), Some(e.to_string()))
+        }
+    };
+    let hashes = hash(pool, &tokens, lora, head.cache_salt);
+    let session = pool
+        .session_header
+        .as_ref()
+        .and_then(|h| headers.get(h))
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
+    Ok(Prepared {
+        pool,
+        model,
+        hashes,
+        prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
+        tokenize_error,
+        session,
+        ticket: if peek {
+            pool.peek_ticket()
+        } else {
+            pool.ticket()
+        },
+    })
+}
+
+fn tokenize(pool: &Pool, api: Api, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+    match api {
+        Api::Chat => {
+            let req = ChatRequest::from_json(body)?;
+            pool.tokenizer.encode_chat(&req)
+        }
+        Api::Completions => {
+            let req = CompletionRequest::from_json(body)?;
+            // vLLM runs each prompt of a batch as its own request on the replica that got the
+            // batch; the first prompt decides where the batch goes.
+            let prompts = pool.tokenizer.encode_completion_request(&req)?;
+            Ok(prompts.into_iter().next().unwrap_or_default())
+        }
+    }
+}
+
+fn hash(
+    pool: &Pool,
+    tokens: &[u32],
+    lora: Option<&Lora>,
+    cache_salt: Option<String>,
+) -> Vec<BlockHash> {
+    if tokens.len() < pool.hasher.block_size() {
+        return Vec::new();
+    }
+    let extras = RequestExtras {
+        lora: lora.cloned(),
+        cache_salt,
+        ..RequestExtras::default()
+    };
+    pool.hasher
+        .hash_blocks(tokens, &extras)
+        .iter()
+        .map(|d| d.event_hash())
+        .collect()
+}
+
+/// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
+/// the policy (speculative entries) are recorded under the same lock hold.
+pub(crate) fn decide(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> (Decision, Vec<Candidate>) {
+    let candidates = p.pool.candidates(&p.hashes);
+    let ctx = RequestCtx {
+        hashes: &p.hashes,
+        prompt_tokens: p.prompt_tokens,
+        block_size: p.pool.block_size,
+        session: p.session.as_deref(),
+        ticket: p.ticket,
+    };
+    let now = fleet.now();
+    let mut policy = p.pool.policy.lock();
+    let decision = policy.select(&ctx, &candidates, now);
+    if apply {
+        policy.apply(&decision, &p.hashes, now);
+    }
+    (decision, candidates)
+}
+
+/// The `/debug/explain` answer for a prepared request.
+pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared<'_>) -> ExplainResponse {
+    let (decision, _) = decide(fleet, p, false);
+    let candidates = decision
+        .scores
+        .iter()
+        .map(|s| CandidateScore {
+            worker: s.worker.to_string(),
+            replica: p
+                .pool
+                .replica(s.worker.replica)
+                .map(|r| r.url.clone())
+                .unwrap_or_default(),
+            rank: s.worker.rank.0,
+            gpu_blocks: s.gpu_blocks,
+            offloaded_blocks: s.offloaded_blocks,
+            speculative_blocks: s.speculative_blocks,
+            predicted_cached_tokens: s.predicted_cached_tokens,
+            load: s.load,
+            over_cap: s.over_cap,
+            scorable: s.scorable,
+            value: s.value,
+        })
+        .collect();
+    ExplainResponse {
+        pool: p.pool.name.clone(),
+        model: p.model.clone(),
+        api: api.as_str().to_owned(),
+        prompt_tokens: p.prompt_tokens,
+        block_size: p.pool.block_size,
+        blocks: p.hashes.len(),
+        tokenize_error: p.tokenize_error.clone(),
+        policy: decision.policy.to_owned(),
+        reason: decision.reason.as_str().to_owned(),
+        chosen: decision.chosen().map(|w| w.to_string()),
+        candidates,
+    }
+}

@@ -1,0 +1,303 @@
+//! Load and cache-configuration scraping of each replica's `/metrics` (vLLM's names), and the
+//! check that the router can reproduce the replica's block hashes.
+//!
+//! Invariants: one task per replica writes its load gauges and health; a replica whose
+//! `vllm:cache_config_info` names another block size or hash algorithm than its pool's, or
+//! prefix caching off, is marked unscorable (logged once per change, counted in metrics, shown
+//! in `/debug/replicas`) and routed by load only. A replica that does not publish the info
+//! metric is assumed to match the configuration.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::api::CacheConfigStatus;
+use crate::fleet::{Fleet, Pool, Replica};
+
+/// What one scrape found, per vLLM engine (`engine` label = DP rank).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(crate) struct Scraped {
+    pub engines: BTreeMap<u32, EngineLoad>,
+    pub cache_config: Option<CacheConfigStatus>,
+    pub prefix_cache_hits: Option<f64>,
+    pub prefix_cache_queries: Option<f64>,
+}
+
+/// One engine's gauges (summed over models and other labels).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct EngineLoad {
+    pub running: f64,
+    pub waiting: f64,
+    pub kv_usage: f64,
+}
+
+/// Parses the Prometheus text exposition of a vLLM replica. Unknown lines are ignored.
+pub(crate) fn parse(text: &str) -> Scraped {
+    let mut out = Scraped::default();
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let Some((name, labels, value)) = split_sample(line) else {
+            continue;
+        };
+        let engine = || {
+            label(labels, "engine")
+                .and_then(|e| e.parse::<u32>().ok())
+                .unwrap_or(0)
+        };
+        match name {
+            "vllm:num_requests_running" => {
+                out.engines.entry(engine()).or_default().running += value
+            }
+            "vllm:num_requests_waiting" => {
+                out.engines.entry(engine()).or_default().waiting += value
+            }
+            "vllm:kv_cache_usage_perc" => {
+                let e = out.engines.entry(engine()).or_default();
+                e.kv_usage = e.kv_usage.max(value);
+            }
+            "vllm:prefix_cache_hits_total" => {
+                *out.prefix_cache_hits.get_or_insert(0.0) += value;
+            }
+            "vllm:prefix_cache_queries_total" => {
+                *out.prefix_cache_queries.get_or_insert(0.0) += value;
+            }
+            "vllm:cache_config_info" => {
+                out.cache_config = Some(CacheConfigStatus {
+                    block_size: label(labels, "block_size").and_then(|v| v.parse().ok()),
+                    hash_algo: label(labels, "prefix_caching_hash_algo").map(str::to_owned),
+                    prefix_caching: label(labels, "enable_prefix_caching")
+                        .map(|v| v.eq_ignore_ascii_case("true")),
+                });
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// `name{labels} value [timestamp]` → (name, labels text, value).
+fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
+    let (name, rest) = match line.find('{') {
+        Some(open) => {
+            let close = line[open..].rfind('}')? + open;
+            (&line[..open], (&line[open + 1..close], &line[close + 1..]))
+        }
+        None => {
+            let sp = line.find(char::is_whitespace)?;
+            (&line[..sp], ("", &line[sp..]))
+        }
+    };
+    let (labels, tail) = rest;
+    let value = tail.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some((name.trim(), labels, value))
+}
+
+/// The value of label `key` in `a="x",b="y"` (escapes are not decoded: vLLM's values that
+/// matter here have none).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while !rest.is_empty() {
+        let eq = rest.find('=')?;
+        let k = rest[..eq].trim().trim_start_matches(',').trim();
+        let after = rest[eq + 1..].trim_start();
+        let after = after.strip_prefix('"')?;
+        let mut end = None;
+        let mut escaped = false;
+        for (i, c) in after.char_indices() {
+            match c {
+                '\\' if !escaped => escaped = true,
+                '"' if !escaped => {
+                    end = Some(i);
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        let end = end?;
+        if k == key {
+            return Some(&after[..end]);
+        }
+        rest = &after[end + 1..];
+    }
+    None
+}
+
+/// Why the router cannot reproduce a replica's hashes, if it cannot.
+pub(crate) fn unscorable_reason(pool: &Pool, cfg: &CacheConfigStatus) -> Option<String> {
+    let mut reasons = Vec::new();
+    if cfg.prefix_caching == Some(false) {
+        reasons.push("prefix caching is off on the replica".to_owned());
+    }
+    if let Some(bs) = cfg.block_size {
+        if bs != pool.block_size {
+            reasons.push(format!(
+                "the replica's block size is {bs}, the pool's {}",
+                pool.block_size
+            ));
+        }
+    }
+    if let Some(algo) = &cfg.hash_algo {
+        let ours = pool.hasher.algo().as_str();
+        if algo != ours {
+            reasons.push(format!(
+                "the replica hashes with {algo}, the pool with {ours}"
+            ));
+        }
+    }
+    (!reasons.is_empty()).then(|| reasons.join("; "))
+}
+
+/// Scrapes one replica once and records what it found.
+pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
+    let got = fleet
+        .upstream
+        .get(replica, "/metrics", fleet.settings.scrape_timeout, 16 << 20)
+        .await;
+    let text = match got {
+        Ok((status, body)) if status.is_success() => String::from_utf8_lossy(&body).into_owned(),
+        Ok((status, _)) => {
+            mark_down(fleet, replica, format!("/metrics answered {status}"));
+            return;
+        }
+        Err(e) => {
+            mark_down(fleet, replica, format!("/metrics: {e}"));
+            return;
+        }
+    };
+    let s = parse(&text);
+    let dp = replica.dp_size();
+    if dp == 1 {
+        // A single-rank replica may still label its engine with its global rank.
+        let mut total = crate::scrape::EngineLoad::default();
+        for e in s.engines.values() {
+            total.running += e.running;
+            total.waiting += e.waiting;
+            total.kv_usage = total.kv_usage.max(e.kv_usage);
+        }
+        if let Some(w) = replica.workers.first() {
+            w.set_scraped(as_u32(total.running), as_u32(total.waiting), total.kv_usage);
+        }
+    } else {
+        for (engine, e) in &s.engines {
+            if let Some(w) = replica.workers.get(*engine as usize) {
+                w.set_scraped(as_u32(e.running), as_u32(e.waiting), e.kv_usage);
+            }
+        }
+    }
+    let reason = s
+        .cache_config
+        .as_ref()
+        .and_then(|c| unscorable_reason(pool, c));
+    {
+        let mut info = replica.info.lock();
+        info.last_error = None;
+        info.cache_config = s.cache_config.clone();
+        info.prefix_cache_hits = s.prefix_cache_hits;
+        info.prefix_cache_queries = s.prefix_cache_queries;
+    }
+    if replica.set_unscorable(reason.clone()) {
+        match &reason {
+            Some(r) => tracing::warn!(replica = %replica.url, pool = %pool.name, reason = %r,
+                "replica's block hashes cannot be reproduced; routing it by load only"),
+            None => tracing::info!(replica = %replica.url, pool = %pool.name,
+                "replica's block hashes match the pool again"),
+        }
+    }
+    if replica.health() != crate::api::Health::Up {
+        tracing::info!(replica = %replica.url, "replica is up");
+        replica.set_up();
+    }
+    fleet.bump();
+}
+
+fn as_u32(v: f64) -> u32 {
+    if v.is_finite() && v > 0.0 {
+        v.min(f64::from(u32::MAX)) as u32
+    } else {
+        0
+    }
+}
+
+fn mark_down(fleet: &Fleet, replica: &Replica, error: String) {
+    if replica.set_down(error.clone()) {
+        tracing::warn!(replica = %replica.url, error = %error, "replica is down");
+    }
+    fleet.bump();
+}
+
+/// Scrapes a replica every `interval` until aborted.
+pub(crate) async fn run(
+    fleet: Arc<Fleet>,
+    pool: Arc<Pool>,
+    replica: Arc<Replica>,
+    interval: std::time::Duration,
+) {
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        scrape_once(&fleet, &pool, &replica).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    const TEXT: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 1.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.5
+vllm:cache_config_info{block_size="32",enable_prefix_caching="True",engine="0",num_gpu_blocks="200",prefix_caching_hash_algo="sha256_cbor"} 1.0
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 64
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 100
+vllm:prefix_cache_queries_total{engine="1",model_name="m"} 20
+vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 2
+"#;
+
+    #[test]
+    fn parses_vllm_gauges_per_engine() {
+        let s = parse(TEXT);
+        assert_eq!(s.engines.len(), 2);
+        assert_eq!(
+            s.engines[&0],
+            EngineLoad {
+                running: 3.0,
+                waiting: 2.0,
+                kv_usage: 0.25
+            }
+        );
+        assert_eq!(s.engines[&1].running, 1.0);
+        assert_eq!(s.engines[&1].kv_usage, 0.5);
+        let c = s.cache_config.unwrap();
+        assert_eq!(c.block_size, Some(32));
+        assert_eq!(c.hash_algo.as_deref(), Some("sha256_cbor"));
+        assert_eq!(c.prefix_caching, Some(true));
+        assert_eq!(s.prefix_cache_hits, Some(64.0));
+        assert_eq!(s.prefix_cache_queries, Some(120.0));
+    }
+
+    #[test]
+    fn labels_with_commas_and_escapes() {
+        let l = r#"a="x,y",b="say \"hi\"",c="3""#;
+        assert_eq!(label(l, "a"), Some("x,y"));
+        assert_eq!(label(l, "b"), Some(r#"say \"hi\""#));
+        assert_eq!(label(l, "c"), Some("3"));
+        assert_eq!(label(l, "d"), None);
+        assert_eq!(split_sample("up 1 1700000000"), Some(("up", "", 1.0)));
+        assert_eq!(split_sample("garbage"), None);
+    }
+}

@@ -1,0 +1,206 @@
+//! The HTTP client towards replicas: one pooled hyper client with `TCP_NODELAY`, building
+//! upstream requests from client requests (hop-by-hop headers dropped, `Host` rewritten, the
+//! body's original bytes), and small GETs for scraping and discovery.
+//!
+//! Invariant: an upstream request carries exactly the bytes the client sent as its body; only
+//! headers are touched (hop-by-hop removed, `Host`, and vLLM's `X-data-parallel-rank`).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioTimer};
+
+use crate::fleet::Replica;
+
+/// vLLM's header naming the DP rank that must serve a request.
+pub(crate) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// The pooled upstream client.
+#[derive(Clone, Debug)]
+pub(crate) struct Upstream {
+    client: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl Upstream {
+    pub fn new(connect_timeout: Duration) -> Self {
+        let mut connector = HttpConnector::new();
+        // Small SSE chunks must leave at once: Nagle's algorithm with delayed ACKs adds ~40 ms.
+        connector.set_nodelay(true);
+        connector.set_connect_timeout(Some(connect_timeout));
+        connector.enforce_http(true);
+        let client = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(Duration::from_secs(60))
+            .pool_max_idle_per_host(256)
+            .build(connector);
+        Upstream { client }
+    }
+
+    pub async fn send(
+        &self,
+        req: Request<Full<Bytes>>,
+    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
+        self.client.request(req).await
+    }
+
+    /// `GET base + path`, whole body (at most `limit` bytes), within `timeout`.
+    pub async fn get(
+        &self,
+        replica: &Replica,
+        path: &str,
+        timeout: Duration,
+        limit: usize,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let uri = upstream_uri(replica, path)?;
+        let req = Request::builder()
+            .method(Method::GET)
+            .uri(uri)
+            .header(header::HOST, replica.authority.as_str())
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| e.to_string())?;
+        let fut = async {
+            let resp = self
+                .client
+                .request(req)
+                .await
+                .map_err(|e| error_chain(&e))?;
+            let status = resp.status();
+            let body = Limited::new(resp.into_body(), limit)
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok::<_, String>((status, body))
+        };
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+    }
+}
+
+/// The upstream URI for a client path-and-query.
+pub(crate) fn upstream_uri(replica: &Replica, path_and_query: &str) -> Result<Uri, String> {
+    Uri::builder()
+        .scheme("http")
+        .authority(replica.authority.clone())
+        .path_and_query(format!("{}{}", replica.prefix, path_and_query))
+        .build()
+        .map_err(|e| format!("bad upstream URI: {e}"))
+}
+
+/// An error with its sources, for messages (hyper's top-level errors say little).
+pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(inner) = cur {
+        s.push_str(": ");
+        s.push_str(&inner.to_string());
+        cur = inner.source();
+    }
+    s
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus the ones
+/// named in `Connection`.
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for n in named {
+        headers.remove(n);
+    }
+    for n in [
+        header::CONNECTION,
+        header::PROXY_AUTHENTICATE,
+        header::PROXY_AUTHORIZATION,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+    ] {
+        headers.remove(n);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}
+
+/// The upstream request for one attempt: same method, path and end-to-end headers, the
+/// original body bytes, HTTP/1.1.
+pub(crate) fn build_request(
+    method: &Method,
+    path_and_query: &str,
+    client_headers: &HeaderMap,
+    body: Bytes,
+    replica: &Replica,
+    rank: Option<usize>,
+) -> Result<Request<Full<Bytes>>, String> {
+    let uri = upstream_uri(replica, path_and_query)?;
+    let mut headers = client_headers.clone();
+    strip_hop_by_hop(&mut headers);
+    headers.remove(header::HOST);
+    headers.remove(DP_RANK_HEADER);
+    if let Ok(v) = HeaderValue::from_str(replica.authority.as_str()) {
+        headers.insert(header::HOST, v);
+    }
+    if let Some(r) = rank {
+        headers.insert(
+            HeaderName::from_static(DP_RANK_HEADER),
+            HeaderValue::from(r),
+        );
+    }
+    let mut req = Request::new(Full::new(body));
+    *req.method_mut() = method.clone();
+    *req.uri_mut() = uri;
+    *req.version_mut() = Version::HTTP_11;
+    *req.headers_mut() = headers;
+    Ok(req)
+}
+
+/// The response head sent to the client: end-to-end headers of the replica's response.
+pub(crate) fn response_headers(upstream: &HeaderMap) -> HeaderMap {
+    let mut h = upstream.clone();
+    strip_hop_by_hop(&mut h);
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_headers_are_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONNECTION,
+            HeaderValue::from_static("keep-alive, x-private"),
+        );
+        h.insert("x-private", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert(
+            header::TRANSFER_ENCODING,
+            HeaderValue::from_static("chunked"),
+        );
+        h.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer k"));
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let out = response_headers(&h);
+        let names: Vec<&str> = out.keys().map(|k| k.as_str()).collect();
+        assert_eq!(names.len(), 2, "{names:?}");
+        assert!(out.contains_key(header::AUTHORIZATION));
+        assert!(out.contains_key(header::CONTENT_TYPE));
+    }
+}
