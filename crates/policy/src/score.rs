@@ -155,17 +155,19 @@ pub(crate) fn load_scores(candidates: &[Candidate]) -> Vec<Score> {
         .collect()
 }
 
-/// Indices `0..n` sorted by `cmp`, ties broken by rotation: the candidate at position
-/// `ticket mod n` comes first among equals, then the ones after it, wrapping around.
+/// Indices `0..n` sorted by `cmp`, ties broken by rotation: a start position drawn from the
+/// ticket comes first among equals, then the ones after it, wrapping around.
 pub(crate) fn sorted_order(
     n: usize,
     ticket: u64,
     mut cmp: impl FnMut(usize, usize) -> Ordering,
 ) -> Vec<usize> {
+    // The ticket is mixed first: callers that step their counter by a fixed stride (two
+    // tickets per request, say) would otherwise start every rotation on the same few workers.
     let start = if n == 0 {
         0
     } else {
-        (ticket % n as u64) as usize
+        (splitmix(ticket) % n as u64) as usize
     };
     let rot = |i: usize| (i + n - start) % n;
     let mut idx: Vec<usize> = (0..n).collect();

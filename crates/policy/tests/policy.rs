@@ -84,24 +84,49 @@ fn predicted_tokens_never_exceed_the_prompt() {
 }
 
 #[test]
-fn cold_requests_rotate_instead_of_piling_on_one_worker() {
-    let c = fleet(5);
+fn cold_requests_spread_instead_of_piling_on_one_worker() {
+    let mut c = fleet(5);
     let p = precise();
-    let mut chosen: Vec<WorkerId> = (0..5)
-        .map(|t| {
-            let h = hashes(100 + t, 8);
-            let d = p.select(&ctx(&h, t), &c, Duration::ZERO);
-            assert_eq!(d.reason, Reason::NoCache);
-            d.chosen().unwrap()
-        })
-        .collect();
+    let mut chosen = Vec::new();
+    for t in 0..5u64 {
+        let h = hashes(100 + t, 8);
+        let d = p.select(&ctx(&h, t), &c, Duration::ZERO);
+        assert_eq!(d.reason, Reason::NoCache);
+        let w = d.chosen().unwrap();
+        c.iter_mut().find(|x| x.worker == w).unwrap().load.in_flight += 1;
+        chosen.push(w);
+    }
     chosen.sort();
     chosen.dedup();
     assert_eq!(
         chosen.len(),
         5,
-        "five cold requests at equal load go to five workers"
+        "five cold requests in a row go to five workers"
     );
+}
+
+#[test]
+fn equal_workers_share_traffic_whatever_the_ticket_stride() {
+    // Load does not change between these decisions (a burst before any counter moves): only
+    // the tie-break spreads them, and a caller stepping tickets by 2 or 4 must not collapse it
+    // onto a subset of the workers.
+    let c = fleet(4);
+    let p = precise();
+    for stride in [1u64, 2, 4] {
+        let mut counts = [0usize; 4];
+        for k in 0..400u64 {
+            let h = hashes(1000 + k, 4);
+            let w = p
+                .select(&ctx(&h, k * stride), &c, Duration::ZERO)
+                .chosen()
+                .unwrap();
+            counts[w.replica.0 as usize] += 1;
+        }
+        assert!(
+            counts.iter().all(|&n| n >= 60),
+            "stride {stride}: {counts:?}"
+        );
+    }
 }
 
 #[test]
