@@ -178,9 +178,11 @@ fn a_hot_prefix_spreads_across_the_fleet() {
         );
     }
     assert!(spread > 100, "the hot prefix was spread {spread} times");
+    // Worker 0 holds the prefix: it takes more than its fair share of 50, up to the cap.
     let on_zero = c[0].load.in_flight;
+    let most = (cap * 50.0) as u32 + 1;
     assert!(
-        (50..=63).contains(&on_zero),
+        (51..=most).contains(&on_zero),
         "worker 0 took {on_zero} of 400"
     );
 }
