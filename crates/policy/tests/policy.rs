@@ -378,13 +378,14 @@ fn decision_serializes_for_explanation() {
 fn config_defaults_unknown_fields_and_all_errors_at_once() {
     let p: PolicyConfig = serde_json::from_str(r#"{"kind":"precise"}"#).unwrap();
     assert_eq!(p, PolicyConfig::default());
-    let p: PolicyConfig =
-        serde_json::from_str(r#"{"kind":"precise","speculative_ttl_ms":500,"fair_share_cap":1.5}"#)
-            .unwrap();
+    let p: PolicyConfig = serde_json::from_str(
+        r#"{"kind":"precise","speculative_ttl_ms":500,"fair_share_cap":1.75}"#,
+    )
+    .unwrap();
     match &p {
         PolicyConfig::Precise(c) => {
             assert_eq!(c.speculative_ttl, Duration::from_millis(500));
-            assert_eq!(c.fair_share_cap, 1.5);
+            assert_eq!(c.fair_share_cap, 1.75);
         }
         other => panic!("{other:?}"),
     }
