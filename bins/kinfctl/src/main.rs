@@ -4,9 +4,12 @@
 //! Output is one line per item (a block, a batch) so it can be piped; `--json` makes every line a
 //! JSON object. Errors go to stderr with a non-zero exit status. `hash` takes token ids, or text
 //! with `--tokenizer DIR` (`--prompt` for completions, `--messages` for chat), tokenized exactly
-//! as vLLM would.
+//! as vLLM would. `status` and `explain` read a running router's admin port: the fleet it
+//! sees, and where it would send a request body and why.
 
 mod doctor;
+mod explain;
+mod status;
 
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
@@ -39,6 +42,12 @@ enum Command {
     /// Check against a live replica that the router's hashing agrees with it, and if not, why.
     /// Exits with 1 when the hashes differ.
     Doctor(doctor::DoctorArgs),
+    /// Show a running router's fleet: per pool and replica its health, scorability, load,
+    /// KV-event stream and index entries. Exits with 1 when the router is not ready.
+    Status(status::StatusArgs),
+    /// Show where a running router would send a request body (--body FILE or stdin) and why:
+    /// every candidate's cached blocks, predicted cached tokens, load and score.
+    Explain(explain::ExplainArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -166,6 +175,14 @@ fn main() -> ExitCode {
             }
             out.write_all(text.as_bytes()).context("writing to stdout")
         }),
+        Command::Status(args) => status::run(&args).and_then(|(ready, text)| {
+            if !ready {
+                verdict = ExitCode::FAILURE;
+            }
+            out.write_all(text.as_bytes()).context("writing to stdout")
+        }),
+        Command::Explain(args) => explain::run(&args)
+            .and_then(|text| out.write_all(text.as_bytes()).context("writing to stdout")),
     };
     let flushed = out.flush().context("writing to stdout");
     match result.and(flushed) {
