@@ -3,6 +3,7 @@
 //! its own module; this file only parses the command line and sets up logging.
 
 mod bench;
+mod demo;
 mod serve;
 mod sim;
 
@@ -33,6 +34,8 @@ enum Command {
     Sim(sim::SimArgs),
     /// Replay a trace against routing policies and report TTFT, hit rate and GPU time.
     Bench(bench::BenchArgs),
+    /// Simulated replicas + the router + a bundled workload: round-robin vs. kinference.
+    Demo(demo::DemoArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -48,5 +51,6 @@ fn main() -> anyhow::Result<()> {
         Command::Serve(a) => serve::run(a),
         Command::Sim(a) => sim::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Demo(a) => demo::run(a),
     }
 }
