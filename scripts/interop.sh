@@ -3,19 +3,28 @@
 #
 # Installs vLLM once into a cache directory (first run: about 5 minutes and 6 GB; later runs
 # reuse it), then for each hash algorithm starts a server with a small KV cache on free ports,
-# runs `cargo test -p kinference-interop` against it and stops it. Exits non-zero if any run
-# fails; the server is always stopped, also on errors and interrupts.
+# runs `cargo test -p kinference-interop` against it and stops it. Then, in a last phase, starts
+# two sha256 servers at once and runs tests/router_two_replicas.rs: the router in front of both.
+# Exits non-zero if any run fails; every server is always stopped, also on errors and interrupts.
 #
 # env: KINFERENCE_VLLM_CACHE      install directory (default ~/.cache/kinference/real-vllm)
 #      KINFERENCE_VLLM_NUM_BLOCKS KV-cache blocks per server (default 80: >= 65 for a
 #                                 2048-token request, small enough to evict after ~8 prompts)
 #      KINFERENCE_VLLM_HASH_ALGOS algorithms to run (default "sha256 sha256_cbor")
+#      KINFERENCE_VLLM_ROUTER_PHASE 1 (default): the two-replica router phase runs last;
+#                                 0: skipped; only: it alone runs (no per-algorithm phases)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 CACHE=${KINFERENCE_VLLM_CACHE:-$HOME/.cache/kinference/real-vllm}
 NUM_BLOCKS=${KINFERENCE_VLLM_NUM_BLOCKS:-80}
 ALGOS=${KINFERENCE_VLLM_HASH_ALGOS:-sha256 sha256_cbor}
+ROUTER_PHASE=${KINFERENCE_VLLM_ROUTER_PHASE:-1}
+case "$ROUTER_PHASE" in
+  0|1) ;;
+  only) ALGOS="" ;;
+  *) echo "KINFERENCE_VLLM_ROUTER_PHASE must be 0, 1 or only" >&2; exit 2 ;;
+esac
 T0=$(date +%s)
 log() { echo "[interop $(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -27,7 +36,17 @@ cleanup() {
   [ -z "$pid" ] && [ -n "$PORT" ] && pid=$(cat "$CACHE/logs/server_$PORT.pid" 2>/dev/null || true)
   [ -n "$pid" ] && scripts/real-vllm.sh stop "$pid" || true
 }
-trap cleanup EXIT
+# The router phase's servers, by API port (each one's pid file is written as it starts).
+PAIR_PORTS=()
+cleanup_pair() {
+  local port pid
+  for port in "${PAIR_PORTS[@]}"; do
+    pid=$(cat "$CACHE/logs/server_$port.pid" 2>/dev/null || true)
+    [ -n "$pid" ] && { scripts/real-vllm.sh stop "$pid" || true; }
+  done
+  PAIR_PORTS=()
+}
+trap 'cleanup; cleanup_pair' EXIT
 trap 'exit 130' INT TERM
 
 free_port() {
@@ -83,6 +102,69 @@ for algo in $ALGOS; do
   SERVER_PID=""; PORT=""
   log "stop: $(( $(date +%s) - t ))s"
 done
+
+# Distinct free ports, all held at once while they are chosen.
+free_ports() {
+  "$CACHE/venv/bin/python" -c '
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks: s.bind(("127.0.0.1", 0))
+print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
+}
+
+# The router in front of two replicas: both servers start together (their torch imports
+# overlap), the test runs against both, and both stop whatever happens.
+router_phase() {
+  local algo=sha256 ports i t starters=() pidfiles=() urls=() evs=() replays=() ok=1
+  read -r -a ports <<<"$(free_ports 6)"
+  t=$(date +%s)
+  for i in 0 1; do
+    PAIR_PORTS+=("${ports[i*3]}")
+    pidfiles+=("$(mktemp)")
+    scripts/real-vllm.sh start "$CACHE" "${ports[i*3]}" "${ports[i*3+1]}" "${ports[i*3+2]}" \
+      "$algo" "$NUM_BLOCKS" >"${pidfiles[i]}" &
+    starters+=($!)
+    urls+=("http://127.0.0.1:${ports[i*3]}")
+    evs+=("tcp://127.0.0.1:${ports[i*3+1]}")
+    replays+=("tcp://127.0.0.1:${ports[i*3+2]}")
+  done
+  if [ "$first" = 1 ]; then
+    local tb
+    tb=$(date +%s)
+    cargo test -p kinference-interop --test router_two_replicas --no-run
+    log "build: $(( $(date +%s) - tb ))s"
+    first=0
+  fi
+  for i in 0 1; do
+    if ! wait "${starters[i]}"; then
+      log "router phase: server ${urls[i]} failed to start; log: $CACHE/logs/server_${ports[i*3]}.log"
+      ok=0
+    fi
+  done
+  rm -f "${pidfiles[@]}"
+  if [ "$ok" = 0 ]; then
+    failed+=("router (server start)")
+    cleanup_pair
+    return
+  fi
+  log "router phase: two servers ($algo, $NUM_BLOCKS blocks) ready: $(( $(date +%s) - t ))s"
+  t=$(date +%s)
+  if KINFERENCE_ROUTER_VLLM_URLS="${urls[0]},${urls[1]}" \
+     KINFERENCE_ROUTER_VLLM_EVENTS="${evs[0]},${evs[1]}" \
+     KINFERENCE_ROUTER_VLLM_REPLAY="${replays[0]},${replays[1]}" \
+     KINFERENCE_ROUTER_VLLM_HASH_ALGO="$algo" \
+     cargo test -p kinference-interop --test router_two_replicas -- --nocapture; then
+    log "router tests passed: $(( $(date +%s) - t ))s"
+  else
+    log "router tests FAILED: $(( $(date +%s) - t ))s (server logs: $CACHE/logs/server_${ports[0]}.log, $CACHE/logs/server_${ports[3]}.log)"
+    failed+=("router")
+  fi
+  t=$(date +%s)
+  cleanup_pair
+  log "router phase stop: $(( $(date +%s) - t ))s"
+}
+
+[ "$ROUTER_PHASE" = 0 ] || router_phase
 
 log "total: $(( $(date +%s) - T0 ))s"
 if [ ${#failed[@]} -gt 0 ]; then
