@@ -30,6 +30,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 
+use axum::serve::ListenerExt;
 use kinference_sim::{Engine, EngineConfig};
 use kinference_tokenize::Tokenizer;
 use tokio::net::TcpListener;
@@ -210,6 +211,13 @@ impl Server {
         let addr = listener.local_addr()?;
         let app = http::router(state);
         tasks.push(tokio::spawn(async move {
+            // Like uvicorn on asyncio (vLLM's server): every SSE event leaves at once instead of
+            // waiting out Nagle against the client's delayed ACK (~40 ms per streamed request).
+            let listener = listener.tap_io(|tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
+                }
+            });
             if let Err(e) = axum::serve(listener, app).await {
                 tracing::error!(error = %e, "http server stopped");
             }

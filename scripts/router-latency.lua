@@ -1,0 +1,99 @@
+-- router-latency.lua - wrk request generator for scripts/router-latency.sh.
+--
+-- Every request is one of 8 shared prefixes (~4,000 characters of English-like words, fixed
+-- by the prefix number, so every run and every target sees the same 8 texts) followed by a
+-- suffix that no other request carries (run tag, wrk thread, request counter). A cache-aware
+-- router should therefore keep each prefix on one replica; the suffix keeps the whole prompt
+-- from ever repeating.
+--
+-- usage: wrk -s router-latency.lua URL -- MODE MODEL MAX_TOKENS TAG [PREFIX_CHARS]
+--   MODE  completions (POST /v1/completions, not streamed) or
+--         chat-stream (POST /v1/chat/completions with "stream": true)
+--   TAG   distinguishes runs so that suffixes never repeat across cells
+-- At the end it prints one line `RESULT {json}` with wrk's own counters and percentiles (µs).
+
+local PREFIXES = 8
+local words = {
+  "the", "router", "sends", "each", "request", "to", "a", "replica", "that", "already",
+  "holds", "its", "prefix", "in", "cache", "blocks", "of", "sixteen", "tokens", "are",
+  "hashed", "and", "published", "as", "events", "while", "load", "is", "balanced", "across",
+  "many", "machines", "with", "different", "models", "memory", "time", "first", "token",
+  "latency", "throughput", "system", "prompt", "user", "assistant", "document", "question",
+  "answer", "summary", "table", "number", "value", "result", "method", "paper", "section",
+  "figure", "data", "set", "training", "evaluation", "inference", "server", "client",
+}
+
+-- A small LCG: LuaJIT's math.random differs between builds, the texts must not.
+local function lcg(state)
+  return (state * 1103515245 + 12345) % 2147483648
+end
+
+local function make_prefix(k, chars)
+  local parts = { string.format("Document %d. ", k) }
+  local len = #parts[1]
+  local s = 7919 * (k + 1)
+  while len < chars do
+    s = lcg(s)
+    local w = words[(math.floor(s / 65536) % #words) + 1]
+    parts[#parts + 1] = w
+    len = len + #w + 1
+  end
+  return table.concat(parts, " ")
+end
+
+local counter = 1
+function setup(thread)
+  thread:set("tid", counter)
+  counter = counter + 1
+end
+
+local mode, model, max_tokens, tag
+local prefixes = {}
+local n = 0
+
+function init(args)
+  mode = args[1] or "completions"
+  model = args[2] or "bench"
+  max_tokens = tonumber(args[3] or "8")
+  tag = args[4] or "run"
+  local chars = tonumber(args[5] or "4000")
+  for k = 0, PREFIXES - 1 do
+    prefixes[k] = make_prefix(k, chars)
+  end
+  if mode ~= "completions" and mode ~= "chat-stream" then
+    error("unknown mode " .. mode)
+  end
+  wrk.method = "POST"
+  wrk.headers["Content-Type"] = "application/json"
+  wrk.path = mode == "completions" and "/v1/completions" or "/v1/chat/completions"
+end
+
+function request()
+  n = n + 1
+  local t = tonumber(tid) or 0
+  local k = (n * 5 + t) % PREFIXES
+  local text = prefixes[k] .. string.format(
+    " Question %s-%d-%d: what does the %s say about %s?", tag, t, n,
+    words[(n % #words) + 1], words[((n * 7) % #words) + 1])
+  local body
+  if mode == "completions" then
+    body = string.format('{"model":"%s","prompt":"%s","max_tokens":%d,"temperature":0}',
+      model, text, max_tokens)
+  else
+    body = string.format(
+      '{"model":"%s","messages":[{"role":"user","content":"%s"}],"max_tokens":%d,'
+      .. '"temperature":0,"stream":true}', model, text, max_tokens)
+  end
+  return wrk.format(nil, nil, nil, body)
+end
+
+function done(summary, latency, requests)
+  local e = summary.errors
+  io.write(string.format(
+    'RESULT {"requests":%d,"duration_us":%d,"bytes":%d,"errors_connect":%d,"errors_read":%d,'
+    .. '"errors_write":%d,"errors_status":%d,"errors_timeout":%d,"p50_us":%d,"p90_us":%d,'
+    .. '"p99_us":%d,"max_us":%d,"mean_us":%.1f}\n',
+    summary.requests, summary.duration, summary.bytes, e.connect, e.read, e.write, e.status,
+    e.timeout, latency:percentile(50), latency:percentile(90), latency:percentile(99),
+    latency.max, latency.mean))
+end

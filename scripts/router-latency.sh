@@ -1,0 +1,496 @@
+#!/usr/bin/env bash
+# router-latency.sh - what a router adds to a request: latency and throughput of kinference's
+# precise routing (tokenization, block hashing, index lookup, forwarding) against going straight
+# to a replica, measured in the same run as vllm-router 0.1.17 and sglang-router 0.3.2
+# (cache_aware), all in front of the same 4 simulated replicas.
+#
+# Workload (wrk, scripts/router-latency.lua): 8 shared ~4,000-character prefixes + a unique
+# suffix per request, max_tokens=8. The replicas are `kinference sim` at a speedup of 100,000
+# simulated seconds per second, so they answer in a fraction of a millisecond and the router is
+# what is measured. Per target, each round runs three cells:
+#   c1      /v1/completions, not streamed, 1 connection
+#   c32     /v1/completions, not streamed, 32 connections (2 wrk threads)
+#   chat1   /v1/chat/completions, streamed (SSE), 1 connection
+# Targets: direct (replica 0 alone: wrk talks to one address, so the 32-connection baseline is
+# one replica of the same simulator process), kinference (`kinference serve --policy precise`),
+# vllm-router and sglang-router (`--policy cache_aware`, the thresholds of ../shared/spec/peers.md).
+# Direct is measured again just before each router, and each router's ratios use that baseline.
+# Before its cells each target gets a 32-connection warm-up (not recorded), which also fills the
+# routers' prefix trees and kinference's index. CPU per request is a process tree's utime+stime
+# (/proc/PID/stat) over a cell divided by the requests wrk completed, for the router and for
+# the simulator process (all 4 replicas).
+#
+# Prints a markdown table (per round, then ranges over rounds when ROUNDS > 1) and writes every
+# raw output under the results directory. Every process it starts is stopped on exit.
+#
+# usage: scripts/router-latency.sh [BINARY]
+#   BINARY is a built `kinference`; without it, `cargo build --release -p kinference` builds
+#   target/release/kinference.
+# env: DURATION=10s          wrk duration of each measured cell
+#      WARMUP=3s             wrk warm-up per target (32 connections)
+#      ROUNDS=1              repeat all targets this many times (each round restarts the routers)
+#      TARGETS=direct,kinference,vllm-router,sglang-router
+#      CONNS=32              connections of the throughput cell
+#      PREFIX_CHARS=4000     length of each shared prefix
+#      MAX_TOKENS=8
+#      TOKENIZER=../shared/data/tokenizers/llama3.1   (router and replicas use the same one)
+#      RESULTS=target/router-latency                   (a timestamped directory is made in it)
+#      PEERS_DIR=~/.cache/kinference/peers             (one venv per peer; installed when missing)
+set -euo pipefail
+
+case ${1:-} in
+  -h | --help)
+    sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+    exit 0
+    ;;
+esac
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+LUA=$HERE/router-latency.lua
+DURATION=${DURATION:-10s}
+WARMUP=${WARMUP:-3s}
+ROUNDS=${ROUNDS:-1}
+TARGETS=${TARGETS:-direct,kinference,vllm-router,sglang-router}
+CONNS=${CONNS:-32}
+PREFIX_CHARS=${PREFIX_CHARS:-4000}
+MAX_TOKENS=${MAX_TOKENS:-8}
+TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+RESULTS=${RESULTS:-$REPO/target/router-latency}
+PEERS_DIR=${PEERS_DIR:-$HOME/.cache/kinference/peers}
+VLLM_ROUTER_VERSION=0.1.17
+SGLANG_ROUTER_VERSION=0.3.2
+MODEL=bench
+REPLICAS=4
+T0=$(date +%s)
+log() { echo "[router-latency +$(( $(date +%s) - T0 ))s] $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# --- processes to stop on exit
+PIDS=()
+stop_pid() {
+  local pid=$1 kid i
+  kill -0 "$pid" 2>/dev/null || return 0
+  for kid in $(pgrep -P "$pid" 2>/dev/null); do stop_pid "$kid"; done
+  kill -TERM "$pid" 2>/dev/null || true
+  for i in $(seq 1 50); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  kill -KILL "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+}
+cleanup() {
+  local pid
+  for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+  return 0
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- tools
+need_apt() {
+  local cmd=$1 pkg=$2
+  command -v "$cmd" >/dev/null && return 0
+  log "$cmd is missing; installing the Debian package $pkg"
+  local sudo=()
+  [ "$(id -u)" = 0 ] || sudo=(sudo -n)
+  "${sudo[@]}" apt-get install -y -q "$pkg" >/dev/null 2>&1 ||
+    { "${sudo[@]}" apt-get update -q >/dev/null 2>&1 && "${sudo[@]}" apt-get install -y -q "$pkg" >/dev/null 2>&1; } ||
+    die "could not install $pkg (apt-get install $pkg as root, then rerun)"
+}
+need_apt wrk wrk
+need_apt curl curl
+command -v python3 >/dev/null || die "python3 is needed (free ports, the results table, the peers)"
+[ -f "$TOKENIZER/tokenizer.json" ] || die "no tokenizer.json in $TOKENIZER"
+TOKENIZER=$(cd "$TOKENIZER" && pwd)
+[[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "ROUNDS must be a positive integer"
+
+# --- kinference
+BIN=${1:-}
+if [ -z "$BIN" ]; then
+  log "cargo build --release -p kinference"
+  (cd "$REPO" && cargo build -q --release -p kinference) || die "the build failed"
+  BIN=$REPO/target/release/kinference
+fi
+[ -x "$BIN" ] || die "$BIN is not an executable"
+"$BIN" serve --help >/dev/null 2>&1 || die "$BIN has no working 'serve' command"
+
+# --- peers: one venv each, installed with uv when missing or at another version
+peer_version() { # VENV DIST
+  [ -x "$1/bin/python" ] || return 1
+  "$1/bin/python" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$2" 2>/dev/null
+}
+ensure_peer() { # NAME DIST VERSION BINARY -> 0 when usable
+  local name=$1 dist=$2 want=$3 exe=$4 venv=$PEERS_DIR/$1 have uv
+  have=$(peer_version "$venv" "$dist" || true)
+  if [ "$have" = "$want" ] && [ -x "$venv/bin/$exe" ]; then return 0; fi
+  log "installing $dist==$want into $venv (found: ${have:-nothing})"
+  uv=$(command -v uv || true)
+  if [ -z "$uv" ]; then
+    python3 -m pip install -q --user uv >/dev/null 2>&1 || true
+    uv=$(command -v uv || echo "$(python3 -m site --user-base)/bin/uv")
+  fi
+  [ -x "$uv" ] || { log "skipping $name: uv is not available (pip install uv failed)"; return 1; }
+  mkdir -p "$PEERS_DIR"
+  # An existing venv at another version is upgraded in place, not recreated.
+  { { [ -x "$venv/bin/python" ] || "$uv" venv -q "$venv"; } &&
+    VIRTUAL_ENV=$venv "$uv" pip install -q "$dist==$want"; } >"$PEERS_DIR/$name.install.log" 2>&1 ||
+    { log "skipping $name: installation failed (see $PEERS_DIR/$name.install.log)"; return 1; }
+  have=$(peer_version "$venv" "$dist" || true)
+  [ "$have" = "$want" ] && [ -x "$venv/bin/$exe" ] ||
+    { log "skipping $name: installed ${have:-nothing}, not $want"; return 1; }
+}
+
+IFS=, read -r -a WANTED <<<"$TARGETS"
+RUN_TARGETS=()
+for t in "${WANTED[@]}"; do
+  case $t in
+    direct | kinference) RUN_TARGETS+=("$t") ;;
+    vllm-router) ensure_peer vllm-router vllm-router "$VLLM_ROUTER_VERSION" vllm-router && RUN_TARGETS+=("$t") ;;
+    sglang-router) ensure_peer sglang-router sglang-router "$SGLANG_ROUTER_VERSION" smg && RUN_TARGETS+=("$t") ;;
+    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router)" ;;
+  esac
+done
+
+# --- results directory and machine notes
+OUT=$RESULTS/$(date +%Y%m%d-%H%M%S)
+mkdir -p "$OUT"
+CELLS=$OUT/cells.jsonl
+: >"$CELLS"
+{
+  echo "date: $(date -Is)"
+  echo "command: $0 $*"
+  echo "env: DURATION=$DURATION WARMUP=$WARMUP ROUNDS=$ROUNDS CONNS=$CONNS PREFIX_CHARS=$PREFIX_CHARS MAX_TOKENS=$MAX_TOKENS"
+  echo "targets: ${RUN_TARGETS[*]}"
+  echo "tokenizer: $TOKENIZER"
+  echo "binary: $BIN ($("$BIN" --version 2>/dev/null || true))"
+  echo "git: $(cd "$REPO" && git rev-parse --short HEAD 2>/dev/null || true) $(cd "$REPO" && git status --porcelain 2>/dev/null | grep -q . && echo '(working tree has changes)')"
+  echo "nproc: $(nproc); cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //')"
+  echo "wrk: $(wrk -v 2>&1 | head -1)"
+  echo "vllm-router: $(peer_version "$PEERS_DIR/vllm-router" vllm-router || echo none)"
+  echo "sglang-router: $(peer_version "$PEERS_DIR/sglang-router" sglang-router || echo none)"
+  echo "loadavg at start: $(cat /proc/loadavg)"
+} >"$OUT/machine.txt"
+log "results in $OUT"
+
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+# utime+stime (clock ticks) of a process and its descendants
+proc_ticks() {
+  local pid=$1 total=0 stat kid
+  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || { echo 0; return; }
+  stat=${stat##*) }
+  read -r -a f <<<"$stat"
+  total=$(( f[11] + f[12] ))
+  for kid in $(pgrep -P "$pid" 2>/dev/null); do
+    total=$(( total + $(proc_ticks "$kid") ))
+  done
+  echo "$total"
+}
+CLK_TCK=$(getconf CLK_TCK)
+
+wait_for() { # WHAT PID SECONDS COMMAND... : polls COMMAND until it succeeds
+  local what=$1 pid=$2 secs=$3 i
+  shift 3
+  for i in $(seq 1 $(( secs * 10 ))); do
+    "$@" >/dev/null 2>&1 && return 0
+    kill -0 "$pid" 2>/dev/null || return 1
+    sleep 0.1
+  done
+  log "$what: not ready after ${secs}s"
+  return 1
+}
+
+# one ~PREFIX_CHARS request, as the smoke check of a target
+PROMPT=$(python3 -c 'import sys; print(("shared prefix words " * (int(sys.argv[1]) // 20))[:int(sys.argv[1])])' "$PREFIX_CHARS")
+completion_ok() { # BASE_URL
+  curl -sf -m 10 "$1/v1/completions" -H 'content-type: application/json' \
+    -d "{\"model\":\"$MODEL\",\"prompt\":\"$PROMPT smoke\",\"max_tokens\":$MAX_TOKENS}" | grep -q '"choices"'
+}
+chat_stream_ok() { # BASE_URL
+  curl -sfN -m 10 "$1/v1/chat/completions" -H 'content-type: application/json' \
+    -d "{\"model\":\"$MODEL\",\"messages\":[{\"role\":\"user\",\"content\":\"$PROMPT smoke\"}],\"max_tokens\":$MAX_TOKENS,\"stream\":true}" |
+    grep -q '^data: \[DONE\]'
+}
+
+# --- the replicas: one simulator process, 4 replicas on free loopback ports
+log "starting $REPLICAS simulated replicas (tokenizer $TOKENIZER)"
+"$BIN" sim --host 127.0.0.1 --port 0 --replicas "$REPLICAS" --model "$MODEL" --tokenizer "$TOKENIZER" \
+  --block-size 16 --speedup 100000 \
+  --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
+  >"$OUT/sim.out" 2>"$OUT/sim.err" &
+SIM_PID=$!
+PIDS+=("$SIM_PID")
+for _ in $(seq 1 600); do
+  [ "$(grep -c '^replica=' "$OUT/sim.out" 2>/dev/null)" = "$REPLICAS" ] && break
+  kill -0 "$SIM_PID" 2>/dev/null || { tail -20 "$OUT/sim.err" >&2; die "the simulator exited"; }
+  sleep 0.1
+done
+[ "$(grep -c '^replica=' "$OUT/sim.out")" = "$REPLICAS" ] || die "the simulator did not start $REPLICAS replicas in 60 s"
+field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
+URLS=()
+KINF_REPLICAS=()
+while read -r line; do
+  url=$(field "$line" url)
+  ev=$(field "$line" events | sed 's#//0\.0\.0\.0:#//127.0.0.1:#')
+  rp=$(field "$line" replay)
+  URLS+=("$url")
+  KINF_REPLICAS+=(--replica "$url,events=$ev,replay=$rp")
+done < <(grep '^replica=' "$OUT/sim.out")
+for u in "${URLS[@]}"; do
+  completion_ok "$u" || die "replica $u does not answer /v1/completions"
+done
+chat_stream_ok "${URLS[0]}" || die "replica ${URLS[0]} does not stream /v1/chat/completions"
+log "replicas: ${URLS[*]}"
+
+# --- targets
+ROUTER_PID=""
+start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
+  local t=$1 round=$2 port admin prom
+  ROUTER_PID=""
+  case $t in
+    direct)
+      TARGET_URL=${URLS[0]}
+      return 0
+      ;;
+    kinference)
+      port=$(free_port)
+      admin=$(free_port)
+      "$BIN" serve --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" --model "$MODEL" \
+        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" \
+        >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
+      ;;
+    vllm-router)
+      port=$(free_port)
+      prom=$(free_port)
+      "$PEERS_DIR/vllm-router/bin/vllm-router" --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
+        --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
+        --eviction-interval-secs 120 --max-tree-size 33554432 \
+        --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warning \
+        >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
+      ;;
+    sglang-router)
+      port=$(free_port)
+      prom=$(free_port)
+      HF_HUB_OFFLINE=1 "$PEERS_DIR/sglang-router/bin/smg" launch --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
+        --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
+        --eviction-interval-secs 120 --max-tree-size 33554432 \
+        --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn \
+        >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
+      ;;
+  esac
+  ROUTER_PID=$!
+  PIDS+=("$ROUTER_PID")
+  TARGET_URL=http://127.0.0.1:$port
+  if ! wait_for "$t" "$ROUTER_PID" 120 completion_ok "$TARGET_URL"; then
+    tail -20 "$OUT/$t.r$round.err" >&2
+    return 1
+  fi
+  if [ "$t" = kinference ]; then
+    echo "admin=http://127.0.0.1:$admin" >>"$OUT/$t.r$round.out"
+  fi
+}
+
+cell_json() { # TARGET ROUND PAIR CELL CONNS RAWFILE ROUTER_TICKS SIM_TICKS LOAD
+  local res
+  res=$(sed -n 's/^RESULT //p' "$6")
+  [ -n "$res" ] || die "wrk printed no RESULT line in $6"
+  printf '{"target":"%s","round":%d,"pair":"%s","cell":"%s","conns":%d,"router_ticks":%d,"sim_ticks":%d,"clk_tck":%d,"load":%s,"wrk":%s}\n' \
+    "$1" "$2" "$3" "$4" "$5" "$7" "$8" "$CLK_TCK" "$9" "$res"
+}
+
+run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE
+  local threads=1
+  [ "$2" -ge 2 ] && threads=2
+  wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
+    "$4" "$MODEL" "$MAX_TOKENS" "$5" "$PREFIX_CHARS" >"$6" 2>&1 ||
+    { cat "$6" >&2; die "wrk failed against $1"; }
+}
+
+run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE
+  local t=$1 round=$2 pair=$3 prefix=$4 cell=$5 conns=$6 mode=$7 raw r0 s0 r1 s1 load
+  raw=$prefix.$cell.txt
+  load=$(cut -d' ' -f1 /proc/loadavg)
+  r0=0 r1=0
+  [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
+  s0=$(proc_ticks "$SIM_PID")
+  run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw"
+  [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID")
+  s1=$(proc_ticks "$SIM_PID")
+  cell_json "$t" "$round" "$pair" "$cell" "$conns" "$raw" $(( r1 - r0 )) $(( s1 - s0 )) "$load" >>"$CELLS"
+  log "$t round $round $cell: $(grep -E '^Requests/sec' "$raw" | tr -s ' ') p50 $(awk '$1 == "50%" {print $2; exit}' "$raw") p99 $(awk '$1 == "99%" {print $2; exit}' "$raw")$(grep -E 'Non-2xx|Socket errors' "$raw" | tr '\n' ' ' | sed 's/^/ /')"
+}
+
+# One target's warm-up and three cells. PAIR names the router a direct measurement is the
+# baseline of: direct is measured again just before each router, so that every ratio compares
+# cells a minute apart on this shared machine, not the two ends of a round.
+measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
+  local t=$1 round=$2 pair=$3 prefix admin
+  prefix=$OUT/$t.r$round
+  [ "$t" = direct ] && prefix=$prefix.before-$pair
+  if [ "$t" = direct ]; then log "round $round: direct (baseline of $pair)"; else log "round $round: $t"; fi
+  if ! start_target "$t" "$round"; then
+    [ -n "$ROUTER_PID" ] && stop_pid "$ROUTER_PID"
+    ROUTER_PID=""
+    return 1
+  fi
+  chat_stream_ok "$TARGET_URL" || log "warning: $t did not stream a chat completion to [DONE] in the smoke check"
+  run_wrk "$TARGET_URL" "$CONNS" "$WARMUP" completions "${t//-/}r${round}${pair//-/}warm$$" "$prefix.warmup.txt"
+  run_cell "$t" "$round" "$pair" "$prefix" c1 1 completions
+  run_cell "$t" "$round" "$pair" "$prefix" c32 "$CONNS" completions
+  run_cell "$t" "$round" "$pair" "$prefix" chat1 1 chat-stream
+  if [ "$t" = direct ] && [ "$(awk '$1 == "50%" {print ($2 ~ /ms$/ && $2 + 0 > 20) ? 1 : 0; exit}' "$prefix.chat1.txt")" = 1 ]; then
+    log "warning: streamed chat straight to a replica takes over 20 ms at p50: the backend stalls (no TCP_NODELAY?), so the streaming column measures the backend, not the routers"
+  fi
+  if [ "$t" = kinference ]; then
+    admin=$(sed -n 's/^admin=//p' "$OUT/$t.r$round.out")
+    curl -sf "$admin/metrics" >"$prefix.metrics.txt" 2>/dev/null || true
+  fi
+  [ -n "$ROUTER_PID" ] && stop_pid "$ROUTER_PID"
+  ROUTER_PID=""
+  return 0
+}
+
+ROUTERS=()
+WITH_DIRECT=0
+for t in "${RUN_TARGETS[@]}"; do
+  if [ "$t" = direct ]; then WITH_DIRECT=1; else ROUTERS+=("$t"); fi
+done
+for round in $(seq 1 "$ROUNDS"); do
+  if [ "${#ROUTERS[@]}" = 0 ]; then
+    measure direct "$round" direct || die "direct measurement failed"
+  fi
+  for t in "${ROUTERS[@]}"; do
+    if [ "$WITH_DIRECT" = 1 ]; then
+      measure direct "$round" "$t" || die "direct measurement failed"
+    fi
+    if ! measure "$t" "$round" "$t"; then
+      [ "$t" = kinference ] && die "kinference serve did not start or does not answer (see $OUT/$t.r$round.err)"
+      log "skipping $t in round $round: it did not start or does not answer (see $OUT/$t.r$round.err)"
+    fi
+  done
+done
+echo "loadavg at end: $(cat /proc/loadavg)" >>"$OUT/machine.txt"
+for u in "${URLS[@]}"; do curl -sf "$u/metrics" >>"$OUT/sim.metrics.txt" 2>/dev/null || true; done
+
+# --- the table
+python3 - "$CELLS" "$CONNS" <<'PYEOF' | tee "$OUT/table.md"
+import glob, json, os, sys
+from collections import defaultdict
+
+cells_path, conns = sys.argv[1], sys.argv[2]
+rows = [json.loads(l) for l in open(cells_path) if l.strip()]
+by = {(r["target"], r["round"], r["pair"], r["cell"]): r for r in rows}
+targets = list(dict.fromkeys(r["target"] for r in rows))
+rounds = sorted({r["round"] for r in rows})
+
+def rps(r):
+    return r["wrk"]["requests"] / (r["wrk"]["duration_us"] / 1e6)
+
+def errors(r):
+    w = r["wrk"]
+    return sum(w[k] for k in ("errors_connect", "errors_read", "errors_write", "errors_status", "errors_timeout"))
+
+def cpu_ms(r, key="router_ticks"):
+    n = r["wrk"]["requests"]
+    return 1000.0 * r[key] / r["clk_tck"] / n if n else None
+
+def metrics(t, rnd, pair):
+    """One target's numbers in one round; ratios against the direct cells measured just before it."""
+    g = lambda c: by.get((t, rnd, pair, c))
+    c1, c32, ch = g("c1"), g("c32"), g("chat1")
+    d1, d32 = by.get(("direct", rnd, pair, "c1")), by.get(("direct", rnd, pair, "c32"))
+    m = {}
+    if c1:
+        m["c1_p50"] = c1["wrk"]["p50_us"] / 1000
+        m["c1_p99"] = c1["wrk"]["p99_us"] / 1000
+        m["c1_rps"] = rps(c1)
+        if d1 and t != "direct":
+            m["added"] = (c1["wrk"]["p50_us"] - d1["wrk"]["p50_us"]) / 1000
+    if c32:
+        m["c32_rps"] = rps(c32)
+        m["c32_p50"] = c32["wrk"]["p50_us"] / 1000
+        m["c32_p99"] = c32["wrk"]["p99_us"] / 1000
+        if d32 and t != "direct":
+            m["vs_direct"] = 100.0 * rps(c32) / rps(d32)
+        if t != "direct":
+            m["cpu"] = cpu_ms(c32)
+        m["sim_cpu"] = cpu_ms(c32, "sim_ticks")
+    if ch:
+        m["ch_p50"] = ch["wrk"]["p50_us"] / 1000
+        m["ch_p99"] = ch["wrk"]["p99_us"] / 1000
+    m["errors"] = sum(errors(x) for x in (c1, c32, ch) if x)
+    return m
+
+COLS = [
+    ("c1_p50", "completions 1 conn p50", "ms"), ("c1_p99", "p99", "ms"),
+    ("added", "added p50 vs direct", "ms+"), ("c1_rps", "req/s", "int"),
+    ("c32_rps", f"{conns} conns req/s", "int"), ("vs_direct", "% of direct", "pct"),
+    ("c32_p50", "p50", "ms"), ("c32_p99", "p99", "ms"),
+    ("ch_p50", "streaming chat 1 conn p50", "ms"), ("ch_p99", "p99", "ms"),
+    ("cpu", f"router CPU per request ({conns} conns)", "ms"),
+    ("sim_cpu", "replicas' CPU per request", "ms"),
+]
+
+def fmt(v, kind):
+    if kind == "int":
+        return f"{v:,.0f}"
+    if kind == "pct":
+        return f"{v:.0f} %"
+    if kind == "ms+":
+        return f"{v:+.2f} ms"
+    return f"{v:.2f} ms" if v < 10 else f"{v:.1f} ms"
+
+def cell(vals, kind):
+    vals = [v for v in vals if v is not None]
+    if not vals:
+        return "—"
+    lo, hi = min(vals), max(vals)
+    a, b = fmt(lo, kind), fmt(hi, kind)
+    if a == b:
+        return a
+    unit = {"ms": " ms", "ms+": " ms", "pct": " %"}.get(kind, "")
+    if unit and a.endswith(unit) and b.endswith(unit):
+        a = a[: -len(unit)]
+    if kind == "ms+" and b.startswith("+"):
+        b = b[1:]
+    return f"{a}–{b}"
+
+def pairs(t, rnd):
+    return sorted({r["pair"] for r in rows if r["target"] == t and r["round"] == rnd})
+
+def table(title, rnds):
+    print(f"\n{title}\n")
+    print("| target | " + " | ".join(c[1] for c in COLS) + " |")
+    print("|---|" + "---:|" * len(COLS))
+    for t in targets:
+        # direct: every baseline measurement; a router: its own cells
+        ms = [metrics(t, r, p) for r in rnds for p in pairs(t, r)]
+        if not any(len(m) > 1 for m in ms):
+            continue
+        line = [cell([m.get(k) for m in ms], kind) for k, _, kind in COLS]
+        errs = sum(m["errors"] for m in ms)
+        name = t + (f" ({errs} failed requests)" if errs else "")
+        print(f"| {name} | " + " | ".join(line) + " |")
+
+for r in rounds:
+    table(f"Round {r}:", [r])
+if len(rounds) > 1:
+    table(f"Ranges over {len(rounds)} rounds:", rounds)
+loads = [r["load"] for r in rows]
+print(f"\n1-minute load average during the cells: {min(loads):.2f}–{max(loads):.2f}")
+decisions = defaultdict(float)
+for path in sorted(glob.glob(os.path.join(os.path.dirname(cells_path), "kinference.r*.metrics.txt"))):
+    for line in open(path):
+        if line.startswith("kinference_decisions_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            decisions[reason] += float(line.rsplit(" ", 1)[1])
+if decisions:
+    total = sum(decisions.values())
+    parts = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(decisions.items(), key=lambda kv: -kv[1]))
+    print(f"kinference routing decisions (all rounds, warm-up included): {total:,.0f}: {parts}")
+PYEOF
+log "raw outputs: $OUT"
