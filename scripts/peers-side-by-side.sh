@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# peers-side-by-side.sh - one live workload through kinference and the peer routers, same fleet.
+#
+# Starts four simulated replicas (`kinference sim --replicas 4`, free ports, KV events and
+# replay on) and, in front of them:
+#   kinference     `kinference serve --policy precise` (subscribed to every replica's events)
+#   round-robin    `kinference serve --policy round-robin` (the cache-blind baseline)
+#   vllm-router    the vLLM project's router, --policy cache_aware     (when installed)
+#   sglang-router  SGLang's model gateway (`smg launch`), cache_aware  (when installed)
+# then runs `kinference bench --mode live` once: the same synthetic multi-turn workload, open
+# loop, against each target in turn, with every replica's prefix cache reset before each target
+# and hit rates read from the replicas' own counters. Prints report.md; the folder keeps
+# results.json and the plots. Every process started here is stopped on every path.
+#
+# A peer that is not installed, or does not answer within 30 s, is skipped with a message.
+# vllm-router's cache_aware policy calls POST /v1/completions/render (or
+# /v1/chat/completions/render) on a worker before every request; the simulated replicas do not
+# have it (404), and vllm-router then calls POST /tokenize (which they have) and routes on those
+# tokens: two extra round trips per request, included in its TTFT.
+#
+# usage: scripts/peers-side-by-side.sh [BINARY [OUT]]
+#   BINARY  a built `kinference` (default target/release/kinference; nothing is built here)
+#   OUT     the report folder (default target/peers-side-by-side)
+# env: KINFERENCE_PEERS_DIR   where the peers' venvs are (default ~/.cache/kinference/peers:
+#                             vllm-router/bin/vllm-router, sglang-router/bin/smg)
+#      PEERS_CONVERSATIONS    multi-turn conversations of 6 turns each (default 80)
+#      PEERS_SPEEDUP          the workload's own arrival times (conversations start at 2/s, 10 s
+#                             between turns) divided by this (default 4: ~23 s per target)
+#      PEERS_SIM_SPEEDUP      the replicas' simulated seconds per wall second (default 5)
+#      PEERS_GPU_BLOCKS       KV blocks of 16 tokens per replica (default 2048: the fleet holds
+#                             about 40 % of the conversations' tokens at once, so placement matters)
+#      PEERS_KINFERENCE_POLICY  the first target's policy, a name or YAML (default precise)
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+SHARED=$(cd "$REPO/../shared" && pwd)
+TOKENIZER=$SHARED/golden/real_vllm_0.32/tiny-llama-tokenizer
+PEERS_DIR=${KINFERENCE_PEERS_DIR:-$HOME/.cache/kinference/peers}
+CONVERSATIONS=${PEERS_CONVERSATIONS:-80}
+SPEEDUP=${PEERS_SPEEDUP:-4}
+SIM_SPEEDUP=${PEERS_SIM_SPEEDUP:-5}
+GPU_BLOCKS=${PEERS_GPU_BLOCKS:-2048}
+KINFERENCE_POLICY=${PEERS_KINFERENCE_POLICY:-precise}
+REPLICAS=4
+MODEL=sim
+BLOCK=16
+T0=$(date +%s)
+log() { echo "[peers +$(( $(date +%s) - T0 ))s] $*"; }
+
+PIDS=()
+DIED=""
+show_logs() {
+  local f
+  for f in "$LOGS"/*.err; do
+    [ -s "$f" ] && { echo "--- last lines of $(basename "$f")" >&2; tail -n 15 "$f" >&2; }
+  done
+  return 0
+}
+die() { DIED=1; log "error: $*"; show_logs; exit 1; }
+stop() {
+  local pid=$1
+  [ -n "$pid" ] || return 0
+  kill "$pid" 2>/dev/null || return 0
+  # Each drains on SIGTERM; one that does not exit within 10 s is killed.
+  for _ in $(seq 1 100); do
+    kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
+    sleep 0.1
+  done
+  kill -9 "$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
+  return 0
+}
+cleanup() {
+  local rc=$? i
+  [ "$rc" -ne 0 ] && [ -z "${DIED:-}" ] && show_logs
+  # Routers first (newest first), the replicas last.
+  for (( i=${#PIDS[@]}-1; i>=0; i-- )); do stop "${PIDS[$i]}"; done
+  return 0
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# --- the binary and the report folder
+BIN=${1:-$REPO/target/release/kinference}
+[ -x "$BIN" ] || die "$BIN is not an executable (build it: cargo build --release -p kinference)"
+OUT=${2:-$REPO/target/peers-side-by-side}
+# Every process's stdout and stderr stay in the report folder, for reading after the run.
+LOGS=$OUT/logs
+mkdir -p "$OUT"
+rm -rf "$LOGS"
+mkdir -p "$LOGS"
+command -v python3 >/dev/null || die "no python3 on PATH (used to pick free ports and wait for readiness)"
+
+free_ports() {
+  python3 - "$1" <<'PYEOF'
+import socket, sys
+socks = [socket.socket() for _ in range(int(sys.argv[1]))]
+for s in socks:
+    s.bind(("127.0.0.1", 0))
+print(*(s.getsockname()[1] for s in socks))
+PYEOF
+}
+
+# Wait until URL answers 200 (GET) while PID lives; $3 is the deadline in seconds.
+wait_http() {
+  python3 - "$1" "$2" "$3" <<'PYEOF'
+import os, sys, time, urllib.error, urllib.request
+url, pid, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+deadline, last = time.monotonic() + secs, "no answer"
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("exited")
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            if r.status == 200:
+                sys.exit(0)
+            last = f"HTTP {r.status}"
+    except urllib.error.HTTPError as e:
+        last = f"HTTP {e.code}"
+    except (urllib.error.URLError, ConnectionError, OSError) as e:
+        last = str(e)
+    time.sleep(0.1)
+sys.exit(f"no 200 from {url} within {secs:.0f} s (last: {last})")
+PYEOF
+}
+
+# --- four replicas on free ports, events and replay bound on free ports
+NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port 0 --replicas "$REPLICAS" --served-model-name "$MODEL" \
+  --tokenizer "$TOKENIZER" --block-size "$BLOCK" --num-gpu-blocks "$GPU_BLOCKS" --speedup "$SIM_SPEEDUP" \
+  --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://*:0' >"$LOGS/sim.out" 2>"$LOGS/sim.err" &
+PIDS+=($!)
+SIM_PID=$!
+LAST=$((REPLICAS - 1))
+for _ in $(seq 1 300); do
+  grep -q "^replica=$LAST " "$LOGS/sim.out" 2>/dev/null && break
+  kill -0 "$SIM_PID" 2>/dev/null || die "the simulator exited"
+  sleep 0.1
+done
+grep -q "^replica=$LAST " "$LOGS/sim.out" || die "the simulator printed no line for replica $LAST in 30 s"
+
+# `replica=I url=http://A dp_ranks=R events=tcp://*:P replay=tcp://*:Q` -> a --replica flag.
+field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
+dial() { sed -E 's#^tcp://[^:]*:#tcp://127.0.0.1:#' <<<"$1"; }
+REPLICA_FLAGS=()
+URLS=()
+METRICS_FLAGS=()
+for i in $(seq 0 "$LAST"); do
+  line=$(grep "^replica=$i " "$LOGS/sim.out")
+  url=$(field "$line" url) ev=$(field "$line" events) rp=$(field "$line" replay)
+  case "$ev$rp" in *-*|*,*|"") die "replica $i: expected one events and one replay endpoint: $line";; esac
+  log "replica $i: $line"
+  URLS+=("$url")
+  REPLICA_FLAGS+=(--replica "$url,events=$(dial "$ev"),replay=$(dial "$rp")")
+  METRICS_FLAGS+=(--replica-metrics "$url/metrics")
+done
+
+# --- kinference, twice: precise (the product's default) and round-robin (the baseline)
+TARGETS=()
+start_kinference() {
+  local name=$1 policy=$2 data admin pid
+  read -r data admin < <(free_ports 2)
+  NO_COLOR=1 "$BIN" serve --listen "127.0.0.1:$data" --admin "127.0.0.1:$admin" \
+    --model "$MODEL" --tokenizer "$TOKENIZER" --block-size "$BLOCK" --policy "$policy" \
+    --scrape-interval-ms 200 "${REPLICA_FLAGS[@]}" >"$LOGS/$name.out" 2>"$LOGS/$name.err" &
+  pid=$!
+  PIDS+=("$pid")
+  # Ready (every replica scraped up) and, for the precise policy, subscribed to every event
+  # stream, so the first requests' blocks reach the index.
+  python3 - "http://127.0.0.1:$admin" "$pid" "$REPLICAS" <<'PYEOF' || die "$name never became ready"
+import json, os, sys, time, urllib.error, urllib.request
+admin, pid, want = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+deadline, last = time.monotonic() + 30, "no answer"
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("the router exited")
+    try:
+        ready = json.load(urllib.request.urlopen(f"{admin}/readyz", timeout=2))
+        fleet = json.load(urllib.request.urlopen(f"{admin}/debug/replicas", timeout=2))
+        reps = [r for p in fleet["pools"] for r in p["replicas"]]
+        subscribed = all(w["events"] and w["events"]["connected"] for r in reps for w in r["workers"])
+        if ready["ready"] and len(reps) == want and all(r["scorable"] for r in reps) and subscribed:
+            sys.exit(0)
+        last = json.dumps(fleet)[:2000]
+    except (urllib.error.URLError, ConnectionError, OSError, KeyError, TypeError) as e:
+        last = f"readyz: {e.code}" if isinstance(e, urllib.error.HTTPError) else str(e)
+    time.sleep(0.1)
+sys.exit(f"not ready within 30 s; last state: {last}")
+PYEOF
+  TARGETS+=(--target "$name=http://127.0.0.1:$data")
+  log "$name: kinference serve --policy $policy on 127.0.0.1:$data (admin $admin)"
+}
+start_kinference kinference "$KINFERENCE_POLICY"
+start_kinference round-robin round-robin
+
+# --- the peers, cache-aware, with the flags of the shared peer notes; skipped when absent
+SKIPPED=()
+start_peer() {
+  local name=$1 exe=$2 loglevel=$3 port mport pid why
+  shift 3
+  if [ ! -x "$exe" ]; then
+    log "skipping $name: $exe is not installed"
+    SKIPPED+=("$name (not installed)")
+    return 0
+  fi
+  read -r port mport < <(free_ports 2)
+  "$exe" "$@" --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
+    --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
+    --eviction-interval-secs 120 --max-tree-size 33554432 \
+    --prometheus-host 127.0.0.1 --prometheus-port "$mport" --log-level "$loglevel" \
+    >"$LOGS/$name.out" 2>"$LOGS/$name.err" &
+  pid=$!
+  PIDS+=("$pid")
+  if why=$(wait_http "http://127.0.0.1:$port/v1/models" "$pid" 30 2>&1); then
+    TARGETS+=(--target "$name=http://127.0.0.1:$port")
+    log "$name: $exe (cache_aware) on 127.0.0.1:$port"
+  else
+    log "skipping $name: it did not start (${why:-no reason}); last lines of its log:"
+    cat "$LOGS/$name.err" "$LOGS/$name.out" 2>/dev/null | tail -n 8 | sed 's/^/    /' || true
+    SKIPPED+=("$name (did not start)")
+    stop "$pid"
+  fi
+  return 0
+}
+start_peer vllm-router "$PEERS_DIR/vllm-router/bin/vllm-router" warning
+# smg finds no tokenizer offline (it warns and carries on); the local one keeps it quiet.
+start_peer sglang-router "$PEERS_DIR/sglang-router/bin/smg" warn launch --tokenizer-path "$TOKENIZER"
+
+# --- one workload, every target in turn, caches reset between them
+log "bench: $(( ${#TARGETS[@]} / 2 )) targets, multi-turn ($CONVERSATIONS conversations x 6 turns, its own times / $SPEEDUP)"
+# In the background, so that an interrupt stops everything at once rather than after the bench.
+NO_COLOR=1 nice "$BIN" bench --mode live "${TARGETS[@]}" "${METRICS_FLAGS[@]}" --reset-caches \
+  --model "$MODEL" --tokenizer "$TOKENIZER" \
+  --workload multi-turn --requests "$CONVERSATIONS" --arrivals trace --speedup "$SPEEDUP" \
+  --seed 1 --request-timeout 60 --out "$OUT" >"$LOGS/bench.out" 2>"$LOGS/bench.err" &
+BENCH_PID=$!
+PIDS+=("$BENCH_PID")
+wait "$BENCH_PID" || { tail -n 30 "$LOGS/bench.out" >&2; die "the bench failed"; }
+
+[ -s "$OUT/report.md" ] || die "the bench wrote no $OUT/report.md"
+cat "$OUT/report.md"
+echo
+[ "${#SKIPPED[@]}" -eq 0 ] || log "skipped: ${SKIPPED[*]}"
+log "report folder: $OUT (results.json, report.md, plots)"
