@@ -5,9 +5,11 @@
 //! update: entries held, applied sequence, sync state after a clear). Stale marks carry an
 //! epoch so that a clear applied late by the writer never hides a newer gap.
 
+use std::collections::VecDeque;
 use std::time::Duration;
 
 use kinference_index::WorkerId;
+use kinference_vllm::BlockHash;
 use tokio::time::Instant;
 
 /// How far the index can be trusted for one worker.
@@ -27,6 +29,20 @@ pub enum SyncState {
     /// A gap is open (replay running) or a reset/unrecoverable gap was detected and the clear
     /// has not been applied yet: entries may be wrong (blocks already evicted, missed stores).
     Stale,
+}
+
+/// Root blocks kept per worker for the hash check (the most recent ones).
+pub const ROOT_SAMPLES: usize = 4;
+
+/// The first block of a sequence as a worker announced it (no parent, no LoRA, no extra keys):
+/// everything needed to recompute its hash, so a reader holding the pool's hasher can tell
+/// whether the router reproduces this worker's hashes (algorithm, seed) from real traffic.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RootBlock {
+    /// The hash as announced (index key form).
+    pub hash: BlockHash,
+    /// The block's token ids (`block_size` of them, as announced).
+    pub tokens: Vec<u32>,
 }
 
 /// A snapshot of one worker's stream and index state.
@@ -70,6 +86,10 @@ pub struct WorkerHealth {
     pub stale: bool,
     /// Bumped on every stale mark; a clear only lifts staleness if no newer mark exists.
     pub stale_epoch: u64,
+    /// `block_size` of the last `BlockStored` received.
+    pub stored_block_size: Option<u32>,
+    /// The last [`ROOT_SAMPLES`] root blocks received, oldest first.
+    pub root_samples: VecDeque<RootBlock>,
 }
 
 impl WorkerHealth {
@@ -96,6 +116,8 @@ impl WorkerHealth {
             sync: SyncState::Connecting,
             stale: false,
             stale_epoch: 0,
+            stored_block_size: None,
+            root_samples: VecDeque::new(),
         }
     }
 

@@ -141,7 +141,7 @@ pub use config::{
     offset_endpoint, publisher_binds, EventPlaneConfig, ReplicaConfig, SocketMode, WorkerConfig,
 };
 pub use error::EventsError;
-pub use health::{SyncState, WorkerHealth};
+pub use health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};
 pub use plane::{EventPlane, IndexHandle, WriterPause};
 pub use writer::Update;
 

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use kinference_index::WorkerId;
 use kinference_vllm::events::codec::decode_batch;
-use kinference_vllm::KvEvent;
+use kinference_vllm::{BlockStored, KvEvent};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -24,7 +24,7 @@ use tokio_util::sync::CancellationToken;
 use crate::backoff::Backoff;
 use crate::config::EventPlaneConfig;
 use crate::error::EventsError;
-use crate::health::{SyncState, WorkerHealth};
+use crate::health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};
 use crate::sequencer::{Live, Replayed, Sequencer};
 use crate::transport::{self, ReaderEvent, ReplayConn, SubStream};
 use crate::wire::{self, ReplayFrame, SeqMsg, WireError};
@@ -293,6 +293,17 @@ impl Subscriber {
         if cleared && self.target == SyncState::Resynced {
             self.target = SyncState::Synced;
         }
+        if let Some((block_size, root)) = stored_facts(&batch.events) {
+            self.spec.health.send_modify(|h| {
+                h.stored_block_size = Some(block_size);
+                if let Some(root) = root {
+                    if h.root_samples.len() >= ROOT_SAMPLES {
+                        h.root_samples.pop_front();
+                    }
+                    h.root_samples.push_back(root);
+                }
+            });
+        }
         let update = Update::Batch {
             seq: msg.seq,
             batch,
@@ -528,5 +539,101 @@ async fn fetch_replay(
             Ok(ReplayFrame::Batch(m)) => items.push(Ok(m)),
             Err(e) => items.push(Err(e)),
         }
+    }
+}
+
+/// The block size of a batch's last `BlockStored`, and its last root block that can be
+/// rehashed without request context (no parent, LoRA or extra keys; KV cache group 0).
+/// `None` when the batch stored nothing. Cheap: no hashing here, the reader hashes samples.
+fn stored_facts(events: &[KvEvent]) -> Option<(u32, Option<RootBlock>)> {
+    let mut block_size = None;
+    let mut root = None;
+    for e in events {
+        if let KvEvent::BlockStored(s) = e {
+            block_size = Some(s.block_size);
+            root = root_block(s).or(root);
+        }
+    }
+    block_size.map(|bs| (bs, root))
+}
+
+fn root_block(s: &BlockStored) -> Option<RootBlock> {
+    let bs = usize::try_from(s.block_size).ok()?;
+    let plain_keys = s
+        .extra_keys
+        .as_ref()
+        .is_none_or(|k| k.first().is_none_or(Option::is_none));
+    if s.parent_block_hash.is_some()
+        || s.lora_id.is_some()
+        || s.lora_name.is_some()
+        || !plain_keys
+        || s.group_idx.is_some_and(|g| g != 0)
+        || bs == 0
+    {
+        return None;
+    }
+    Some(RootBlock {
+        hash: s.block_hashes.first()?.block_hash(),
+        tokens: s.token_ids.get(..bs)?.to_vec(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use kinference_vllm::{BlockHash, ExtraKeyItem, HashValue};
+
+    use super::*;
+    use crate::testing::{removed, stored};
+
+    fn events(b: kinference_vllm::KvEventBatch) -> Vec<KvEvent> {
+        b.events
+    }
+
+    #[test]
+    fn a_root_block_is_sampled_with_its_first_block_of_tokens() {
+        let mut evs = events(stored(&[7, 8], None));
+        if let KvEvent::BlockStored(s) = &mut evs[0] {
+            s.token_ids = (0..32).collect();
+        }
+        let (bs, root) = stored_facts(&evs).unwrap();
+        assert_eq!(bs, 16);
+        let root = root.unwrap();
+        assert_eq!(root.hash, HashValue::Int(7).block_hash());
+        assert_eq!(root.tokens, (0..16).collect::<Vec<u32>>());
+    }
+
+    #[test]
+    fn blocks_that_need_request_context_are_not_sampled() {
+        // A child block, a LoRA block and a block with extra keys (cache salt, multimodal)
+        // hash with context the event alone does not fully give back.
+        let child = events(stored(&[9], Some(7)));
+        let mut lora = events(stored(&[10], None));
+        let mut salted = events(stored(&[11], None));
+        if let KvEvent::BlockStored(s) = &mut lora[0] {
+            s.lora_id = Some(1);
+        }
+        if let KvEvent::BlockStored(s) = &mut salted[0] {
+            s.extra_keys = Some(vec![Some(vec![ExtraKeyItem::Str("salt".into())])]);
+        }
+        for evs in [child, lora, salted] {
+            assert_eq!(stored_facts(&evs), Some((16, None)), "{evs:?}");
+        }
+        assert_eq!(stored_facts(&events(removed(&[7]))), None);
+    }
+
+    #[test]
+    fn the_last_block_size_and_last_root_of_a_batch_win() {
+        let mut evs = events(stored(&[1], None));
+        let mut later = events(stored(&[2], None));
+        let mut child = events(stored(&[3], Some(2)));
+        if let KvEvent::BlockStored(s) = &mut child[0] {
+            s.block_size = 32;
+            s.token_ids = vec![1; 32];
+        }
+        evs.append(&mut later);
+        evs.append(&mut child);
+        let (bs, root) = stored_facts(&evs).unwrap();
+        assert_eq!(bs, 32);
+        assert_eq!(root.unwrap().hash, BlockHash(2));
     }
 }

@@ -5,10 +5,19 @@
 //! `vllm:cache_config_info` names another block size or hash algorithm than its pool's, or
 //! prefix caching off, is marked unscorable (logged once per change, counted in metrics, shown
 //! in `/debug/replicas`) and routed by load only. A replica that does not publish the info
-//! metric is assumed to match the configuration.
+//! metric is assumed to match the configuration. Its KV events are checked too, on every
+//! scrape: a `BlockStored` with another block size, or recent root blocks (first blocks of a
+//! sequence, hashed from the tokens the event carries) of which none hashes as the pool's
+//! hasher computes it (another algorithm or `PYTHONHASHSEED`), make it unscorable as well.
+//! One matching root clears the hash check: a root may legitimately differ (a request's
+//! `cache_salt` on a vLLM that does not publish extra keys), a wrong seed makes every one
+//! differ.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+use kinference_events::WorkerHealth;
+use kinference_vllm::{BlockHasher, RequestExtras};
 
 use crate::api::CacheConfigStatus;
 use crate::fleet::{Fleet, Pool, Replica};
@@ -154,6 +163,40 @@ pub(crate) fn unscorable_reason(pool: &Pool, cfg: &CacheConfigStatus) -> Option<
     (!reasons.is_empty()).then(|| reasons.join("; "))
 }
 
+/// Why the router cannot reproduce the hashes in one worker's KV events, if it cannot.
+pub(crate) fn event_unscorable_reason(
+    block_size: u32,
+    hasher: &BlockHasher,
+    health: &WorkerHealth,
+) -> Option<String> {
+    if let Some(bs) = health.stored_block_size {
+        if bs != block_size {
+            return Some(format!(
+                "the replica's KV events carry block size {bs}, the pool's is {block_size}"
+            ));
+        }
+    }
+    // Two samples at least, so one salted request alone does not condemn a replica.
+    let samples = &health.root_samples;
+    if samples.len() < 2 {
+        return None;
+    }
+    let matches = samples.iter().any(|root| {
+        hasher
+            .hash_block(None, &root.tokens, 0, &RequestExtras::default())
+            .is_ok_and(|d| d.event_hash() == root.hash)
+    });
+    (!matches).then(|| {
+        format!(
+            "none of the replica's last {} first blocks hashes as the pool's {} (seed {:?}) \
+             computes it: another hash algorithm or PYTHONHASHSEED",
+            samples.len(),
+            hasher.algo().as_str(),
+            hasher.seed()
+        )
+    })
+}
+
 /// Scrapes one replica once and records what it found.
 pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
     let got = fleet
@@ -191,10 +234,23 @@ pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
             }
         }
     }
-    let reason = s
+    let mut reasons: Vec<String> = s
         .cache_config
         .as_ref()
-        .and_then(|c| unscorable_reason(pool, c));
+        .and_then(|c| unscorable_reason(pool, c))
+        .into_iter()
+        .collect();
+    if let Some(plane) = pool.plane() {
+        for rank in 0..replica.dp_size() {
+            let why = plane
+                .health(replica.worker(rank))
+                .and_then(|h| event_unscorable_reason(pool.block_size, &pool.hasher, &h));
+            if let Some(why) = why.filter(|w| !reasons.contains(w)) {
+                reasons.push(why);
+            }
+        }
+    }
+    let reason = (!reasons.is_empty()).then(|| reasons.join("; "));
     {
         let mut info = replica.info.lock();
         info.last_error = None;
@@ -299,5 +355,65 @@ vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 2
         assert_eq!(label(l, "d"), None);
         assert_eq!(split_sample("up 1 1700000000"), Some(("up", "", 1.0)));
         assert_eq!(split_sample("garbage"), None);
+    }
+
+    fn health_with(block_size: Option<u32>, roots: &[(&BlockHasher, u32)]) -> WorkerHealth {
+        let mut h = WorkerHealth::new(
+            kinference_events::WorkerId::new(
+                kinference_events::ReplicaId(0),
+                kinference_events::DpRank(0),
+            ),
+            "tcp://127.0.0.1:1".into(),
+        );
+        h.stored_block_size = block_size;
+        for (hasher, first) in roots {
+            let tokens: Vec<u32> = (*first..*first + 16).collect();
+            let hash = hasher
+                .hash_block(None, &tokens, 0, &RequestExtras::default())
+                .unwrap()
+                .event_hash();
+            h.root_samples
+                .push_back(kinference_events::RootBlock { hash, tokens });
+        }
+        h
+    }
+
+    fn hasher(seed: Option<&str>) -> BlockHasher {
+        BlockHasher::new(
+            kinference_vllm::HashAlgo::Sha256Cbor,
+            16,
+            seed,
+            kinference_vllm::ExtraKeysFormat::default(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn event_hashes_made_with_another_seed_make_a_worker_unscorable() {
+        let ours = hasher(None);
+        let theirs = hasher(Some("42"));
+        let same = health_with(Some(16), &[(&ours, 1), (&ours, 100)]);
+        assert_eq!(event_unscorable_reason(16, &ours, &same), None);
+        let other = health_with(Some(16), &[(&theirs, 1), (&theirs, 100)]);
+        let why = event_unscorable_reason(16, &ours, &other).unwrap();
+        assert!(why.contains("PYTHONHASHSEED"), "{why}");
+        // One root is not enough to judge (a salted request differs legitimately) ...
+        let one = health_with(Some(16), &[(&theirs, 1)]);
+        assert_eq!(event_unscorable_reason(16, &ours, &one), None);
+        // ... and one matching root among the recent ones clears the worker.
+        let mixed = health_with(Some(16), &[(&theirs, 1), (&ours, 100)]);
+        assert_eq!(event_unscorable_reason(16, &ours, &mixed), None);
+    }
+
+    #[test]
+    fn events_with_another_block_size_make_a_worker_unscorable() {
+        let ours = hasher(None);
+        let h = health_with(Some(32), &[]);
+        let why = event_unscorable_reason(16, &ours, &h).unwrap();
+        assert!(why.contains("block size 32"), "{why}");
+        assert_eq!(
+            event_unscorable_reason(16, &ours, &health_with(None, &[])),
+            None
+        );
     }
 }

@@ -48,6 +48,7 @@ struct SimOpts {
     speedup: f64,
     dp: usize,
     block_size: usize,
+    hash_seed: Option<String>,
 }
 
 impl Default for SimOpts {
@@ -57,12 +58,14 @@ impl Default for SimOpts {
             speedup: 1000.0,
             dp: 1,
             block_size: 32,
+            hash_seed: None,
         }
     }
 }
 
 async fn sim(o: SimOpts) -> Server {
-    let engine = EngineConfig::small(600, o.block_size);
+    let mut engine = EngineConfig::small(600, o.block_size);
+    engine.hash_seed = o.hash_seed;
     let mut cfg = ServerConfig::new(MODEL, engine, tokenizer_dir(), o.speedup);
     if o.events {
         let mut kv = KvEventsConfig::new("tcp://*:0");
@@ -949,6 +952,50 @@ async fn a_replica_with_another_block_size_is_unscorable_and_routed_by_load() {
     )
     .await;
     assert_eq!(r.status, 200);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_whose_event_hashes_differ_is_unscorable() {
+    // The same block size and algorithm in vllm:cache_config_info, but another
+    // PYTHONHASHSEED: only the events' own hashes can tell.
+    let other = sim(SimOpts {
+        events: true,
+        hash_seed: Some("another-seed".into()),
+        ..SimOpts::default()
+    })
+    .await;
+    let same = sim(SimOpts {
+        events: true,
+        ..SimOpts::default()
+    })
+    .await;
+    let replicas = vec![replica_with_events(&other), replica_with_events(&same)];
+    let proxy = router(config(vec![pool(replicas, precise(2000))])).await;
+    wait_up(&proxy).await;
+    // Distinct prompts straight to each replica, so that both announce root blocks.
+    for (i, s) in [&other, &same].into_iter().enumerate() {
+        for q in ["first?", "second?"] {
+            let text = format!("replica {i} {q} {}", prompt(3, q));
+            let r = post(s.addr, "/v1/completions", &completion(&text, 1)).await;
+            assert_eq!(r.status, 200, "{}", r.body);
+        }
+    }
+    let st = proxy
+        .wait_until(WAIT, |s| !s.pools[0].replicas[0].scorable)
+        .await
+        .unwrap_or_else(|s| panic!("the replica with another seed stayed scorable: {s:#?}"));
+    let bad = &st.pools[0].replicas[0];
+    let why = bad.unscorable_reason.as_deref().unwrap();
+    assert!(why.contains("PYTHONHASHSEED"), "{why}");
+    // The replica hashing as the pool does announced its roots too, and stays scorable.
+    let good = proxy
+        .wait_until(WAIT, |s| {
+            s.pools[0].replicas[1].workers[0].index_entries > 0
+        })
+        .await
+        .unwrap();
+    assert!(good.pools[0].replicas[1].scorable, "{good:#?}");
     proxy.shutdown().await;
 }
 
