@@ -346,5 +346,54 @@ async fn router_sends_a_shared_prefix_to_the_replica_that_caches_it() {
         wait_scraped_idle(&proxy).await;
     }
     println!("documents served by {served_by:?}");
+
+    // The router's live hash check agrees with each real replica: two fresh root blocks sent
+    // straight to it (no router involved) hash as the pool computes them.
+    for s in &servers {
+        let addr: std::net::SocketAddr = s
+            .url
+            .trim_start_matches("http://")
+            .parse()
+            .unwrap_or_else(|e| panic!("{}: {e}", s.url));
+        let before = proxy
+            .wait_for_events(&s.url, 0, WAIT, |_| true)
+            .await
+            .unwrap();
+        for q in ["root check one", "root check two"] {
+            let text = format!("{q}: {}", prompt(9, q));
+            let (status, _, body) =
+                post(&client, addr, "/v1/completions", &completion(&text)).await;
+            assert_eq!(status, 200, "{body}");
+        }
+        let h = proxy
+            .wait_for_events(&s.url, 0, WAIT, |h| {
+                h.root_samples.len() >= 2
+                    && h.root_samples
+                        .iter()
+                        .rev()
+                        .take(2)
+                        .all(|r| !before.root_samples.contains(r))
+            })
+            .await
+            .unwrap_or_else(|e| panic!("{} announced no fresh root blocks: {e}", s.url));
+        assert_eq!(h.stored_block_size, Some(BLOCK_SIZE), "{}", s.url);
+        let st = proxy.status();
+        let r = st.pools[0]
+            .replicas
+            .iter()
+            .find(|r| r.url == s.url)
+            .unwrap();
+        let ev = r.workers[0].events.as_ref().unwrap();
+        assert_eq!(ev.root_hashes_match, Some(true), "{r:#?}");
+        println!(
+            "{}: its root blocks hash as the router computes them",
+            s.url
+        );
+    }
+    let status = wait_scraped_idle(&proxy).await;
+    assert!(
+        status.pools[0].replicas.iter().all(|r| r.scorable),
+        "{status:#?}"
+    );
     proxy.shutdown().await;
 }

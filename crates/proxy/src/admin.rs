@@ -176,6 +176,8 @@ pub(crate) fn snapshot(fleet: &Fleet) -> ReplicasResponse {
                                     last_event_age_ms: h
                                         .last_event_age(now)
                                         .map(|d| d.as_millis() as u64),
+                                    stored_block_size: h.stored_block_size,
+                                    root_hashes_match: crate::scrape::roots_match(&pool.hasher, &h),
                                 }),
                             }
                         })

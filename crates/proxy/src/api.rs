@@ -194,6 +194,13 @@ pub struct EventStreamStatus {
     pub socket_errors: u64,
     /// Milliseconds since the last live event, if one arrived.
     pub last_event_age_ms: Option<u64>,
+    /// `block_size` of the last `BlockStored` received.
+    #[serde(default)]
+    pub stored_block_size: Option<u32>,
+    /// Whether the recent root blocks the worker announced hash as the pool computes them
+    /// (one match suffices); `None` until two have arrived.
+    #[serde(default)]
+    pub root_hashes_match: Option<bool>,
 }
 
 /// `GET /readyz`.

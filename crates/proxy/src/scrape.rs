@@ -176,25 +176,29 @@ pub(crate) fn event_unscorable_reason(
             ));
         }
     }
-    // Two samples at least, so one salted request alone does not condemn a replica.
-    let samples = &health.root_samples;
-    if samples.len() < 2 {
-        return None;
-    }
-    let matches = samples.iter().any(|root| {
-        hasher
-            .hash_block(None, &root.tokens, 0, &RequestExtras::default())
-            .is_ok_and(|d| d.event_hash() == root.hash)
-    });
-    (!matches).then(|| {
+    (roots_match(hasher, health) == Some(false)).then(|| {
         format!(
             "none of the replica's last {} first blocks hashes as the pool's {} (seed {:?}) \
              computes it: another hash algorithm or PYTHONHASHSEED",
-            samples.len(),
+            health.root_samples.len(),
             hasher.algo().as_str(),
             hasher.seed()
         )
     })
+}
+
+/// Whether any of the worker's recent root blocks hashes as `hasher` computes it; `None`
+/// with fewer than two, so that one salted request alone does not condemn a replica.
+pub(crate) fn roots_match(hasher: &BlockHasher, health: &WorkerHealth) -> Option<bool> {
+    let samples = &health.root_samples;
+    if samples.len() < 2 {
+        return None;
+    }
+    Some(samples.iter().any(|root| {
+        hasher
+            .hash_block(None, &root.tokens, 0, &RequestExtras::default())
+            .is_ok_and(|d| d.event_hash() == root.hash)
+    }))
 }
 
 /// Scrapes one replica once and records what it found.
