@@ -5,7 +5,7 @@
 //!
 //! Also a plain completions prompt (no special tokens in it): one of 8 shared ~4,000-character
 //! prefixes plus a ~100-character suffix no request repeats, as the router-latency benchmark
-//! sends them, with the cache on and off.
+//! sends them, with the cache on and off, and the cache's miss path (a text it has no prefix of).
 //!
 //! Run: `cargo bench -p kinference-tokenize --bench prefix_cache`
 
@@ -17,6 +17,12 @@ use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer, TokenizerOptions};
+
+// The kinference binary's allocator: with glibc's, a heap holding hundreds of MiB of cache
+// entries makes the tokenizer's many small allocations markedly slower (perf: malloc and free
+// took ~40% of a cache hit), which the router does not see.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn shared() -> std::path::PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
@@ -215,6 +221,21 @@ fn bench_plain(c: &mut Criterion) {
                     BatchSize::SmallInput,
                 )
             });
+            if capacity > 0 {
+                // A text no entry shares a first block with: the whole miss path (full
+                // encode with offsets, split points, insert and eviction).
+                g.bench_function("cache_on_miss", |b| {
+                    b.iter_batched(
+                        || {
+                            n.set(n.get() + 1);
+                            let n = n.get();
+                            format!("Request {n}. {}", prefixes[(n % 8) as usize])
+                        },
+                        |text| tok.encode_text(&text, true).unwrap(),
+                        BatchSize::SmallInput,
+                    )
+                });
+            }
             println!("{name} {label}: {:?}", tok.cache_stats());
         }
         g.finish();
