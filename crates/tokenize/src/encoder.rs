@@ -376,3 +376,84 @@ fn pre_tokenizer_is_per_piece(v: &Json) -> bool {
         _ => false,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    // Test code: a failed unwrap is a failed test with its message.
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn load(name: &str) -> Encoder {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/tokenizers")
+            .join(name)
+            .join("tokenizer.json");
+        Encoder::from_file(&path).unwrap()
+    }
+
+    /// Every recorded split point, of either kind, cuts the ids exactly where encoding the two
+    /// halves on their own would; the text is heavy in multibyte chars so that byte offsets
+    /// and char offsets differ everywhere.
+    #[test]
+    fn split_points_cut_ids_exactly() {
+        const PIECES: &[&str] = &[
+            "word",
+            "Ab",
+            "z",
+            " ",
+            " ",
+            "  ",
+            "\n",
+            "é",
+            "日本",
+            "😀",
+            "e\u{301}",
+            "'s",
+            "12",
+            ".",
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|endoftext|>",
+            "ß",
+            "\u{212A}",
+            "\t",
+        ];
+        for name in ["gpt2", "llama3", "qwen3", "deepseek-v3", "mistral-v3"] {
+            let enc = load(name);
+            assert_eq!(enc.word_splits, name != "mistral-v3", "{name}");
+            let mut rng = ChaCha8Rng::seed_from_u64(11);
+            let mut words = 0;
+            for _ in 0..40 {
+                let mut text = String::new();
+                while text.len() < 1500 {
+                    text.push_str(PIECES[rng.gen_range(0..PIECES.len())]);
+                }
+                let (ids, splits) = enc.encode_with_splits(&text).unwrap();
+                assert_eq!(ids, enc.encode(&text, false).unwrap(), "{name}");
+                let mut last_word = 0;
+                for sp in splits {
+                    let (b, t) = (sp.byte as usize, sp.token as usize);
+                    assert_eq!(
+                        ids[..t],
+                        enc.encode(&text[..b], false).unwrap()[..],
+                        "{name}"
+                    );
+                    assert_eq!(
+                        ids[t..],
+                        enc.encode(&text[b..], false).unwrap()[..],
+                        "{name}"
+                    );
+                    if sp.word {
+                        assert!(b >= last_word + WORD_SPLIT_SPACING, "{name}: too dense");
+                        last_word = b;
+                        words += 1;
+                    }
+                }
+            }
+            assert_eq!(words > 0, enc.word_splits, "{name}: {words} word splits");
+        }
+    }
+}
