@@ -28,8 +28,8 @@
 //!   listed in [`WORD_SAFE_REGEXES`], then `ByteLevel` without regex and without a prefix space;
 //!   or `ByteLevel` with its built-in GPT-2 regex (`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|
 //!   ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`) and without a prefix space. For each of those regexes
-//!   no path of the matcher consumes an ASCII letter and then a space (after a letter only
-//!   letters, marks or a fixed contraction can follow), no alternative matches the empty
+//!   no path of the matcher consumes an ASCII letter and then a space (a path that has consumed
+//!   a letter goes on with letters or marks only, or ends), no alternative matches the empty
 //!   string, and there is no lookbehind, anchor or `\b`. Hence no match contains both
 //!   `b - 1` and `b`; a match attempt starting before `b` reads at most byte `b` (lookahead or a
 //!   failed class test), so the matches before `b` are the same in `S` and `T`; and the search
@@ -47,9 +47,12 @@
 //! - qwen2, qwen3: the same regex with single digits + `ByteLevel`, NFC.
 //! - deepseek-v3: three `Split`s (digit runs of up to 3, CJK runs, then its word regex whose
 //!   letter alternatives are `[punct][A-Za-z]+` and `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`)
-//!   + `ByteLevel`, identity normalizer. Digits and CJK never include a letter or space.
-//! - Not mistral-v1/v3: no pre-tokenizer, so the whole piece (spaces turned into `▁` by the
-//!   normalizer, `▁` prepended to each piece) is one BPE word whose merges may cross spaces.
+//!   + `ByteLevel`, identity normalizer. Digit and CJK runs never hold an ASCII letter or a
+//!   space, so those stages leave `b - 1` and `b` in one gap and cut after `b` as alone.
+//! - Not mistral-v1/v3: the normalizer prepends `▁` to every piece, so `S[b..]` encoded alone
+//!   gets a `▁` that `S` does not have there (the tests see the invariant fail at every word
+//!   boundary), and with no pre-tokenizer a whole piece is one BPE word whose merges could
+//!   cross a space anyway.
 
 use std::path::Path;
 
