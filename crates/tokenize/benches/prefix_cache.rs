@@ -3,6 +3,10 @@
 //! Two different new turns alternate, so every iteration reuses the long prefix and encodes
 //! the new part (the cache holds the previous one, never the same text).
 //!
+//! Also a plain completions prompt (no special tokens in it): one of 8 shared ~4,000-character
+//! prefixes plus a ~100-character suffix no request repeats, as the router-latency benchmark
+//! sends them, with the cache on and off, and the cache's miss path (a text it has no prefix of).
+//!
 //! Run: `cargo bench -p kinference-tokenize --bench prefix_cache`
 
 // Test code: a failed unwrap is a failed test with its message.
@@ -12,7 +16,13 @@ use std::io::Read;
 use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer};
+use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer, TokenizerOptions};
+
+// The kinference binary's allocator: with glibc's, a heap holding hundreds of MiB of cache
+// entries makes the tokenizer's many small allocations markedly slower (perf: malloc and free
+// took ~40% of a cache hit), which the router does not see.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn shared() -> std::path::PathBuf {
     let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
@@ -157,5 +167,80 @@ fn bench(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench);
+/// 8 plain prompts of about 4,000 characters (ShareGPT texts joined by blank lines).
+fn plain_prefixes(texts: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut it = texts
+        .iter()
+        .filter(|t| !t.contains("<|") && !t.contains("<s>"));
+    for _ in 0..8 {
+        let mut p = String::new();
+        while p.len() < 4000 {
+            p.push_str(it.next().unwrap());
+            p.push_str("\n\n");
+        }
+        let end = (0..=4000).rev().find(|&i| p.is_char_boundary(i)).unwrap();
+        p.truncate(end);
+        out.push(p);
+    }
+    out
+}
+
+fn bench_plain(c: &mut Criterion) {
+    let texts = sharegpt_texts();
+    let prefixes = plain_prefixes(&texts);
+    for name in ["qwen3", "llama3"] {
+        let mut g = c.benchmark_group(format!("{name}_plain_4k_plus_100"));
+        for (label, capacity) in [("cache_on", 256usize << 20), ("cache_off", 0)] {
+            let tok = Tokenizer::from_dir_with(
+                shared().join("data/tokenizers").join(name),
+                TokenizerOptions {
+                    cache_capacity_bytes: capacity,
+                    ..TokenizerOptions::default()
+                },
+            )
+            .unwrap();
+            // Every prefix has been served once, with its own suffix, before timing starts.
+            for (i, p) in prefixes.iter().enumerate() {
+                tok.encode_text(&format!("{p} warm-up request {i}"), true)
+                    .unwrap();
+            }
+            let n = std::cell::Cell::new(0u64);
+            g.bench_function(label, |b| {
+                b.iter_batched(
+                    || {
+                        n.set(n.get() + 1);
+                        let n = n.get();
+                        format!(
+                            "{} Request {n}: summarize the text above in three short bullet points, \
+                             then list open questions.",
+                            prefixes[(n % 8) as usize]
+                        )
+                    },
+                    |text| tok.encode_text(&text, true).unwrap(),
+                    BatchSize::SmallInput,
+                )
+            });
+            if capacity > 0 {
+                // A text no entry shares a first block with: the whole miss path (full
+                // encode with offsets, split points, insert and eviction).
+                g.bench_function("cache_on_miss", |b| {
+                    b.iter_batched(
+                        || {
+                            n.set(n.get() + 1);
+                            let n = n.get();
+                            format!("Request {n}. {}", prefixes[(n % 8) as usize])
+                        },
+                        |text| tok.encode_text(&text, true).unwrap(),
+                        BatchSize::SmallInput,
+                    )
+                });
+            }
+            println!("{name} {label}: {:?}", tok.cache_stats());
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench_plain, bench);
 criterion_main!(benches);

@@ -1,10 +1,13 @@
 //! Prefix-aware tokenization cache: a new turn of a long conversation costs only its new text.
 //!
 //! Each entry is a tokenized text (a rendered chat or a prompt) with its ids and split points
-//! (see [`crate::encoder`]). A new text is matched against the entries sharing its first bytes;
+//! (see [`crate::encoder`]): ends of added tokens and, where the tokenizer allows, word
+//! boundaries (a letter then a space) in plain text, so a plain completions prompt restarts
+//! too. A new text is matched against the entries sharing its first bytes;
 //! with `L` the longest common prefix, tokenization restarts at the last split point `p` with
 //! `p + max_added_len + 4 <= L` (every match decision before `p` reads only shared bytes), so
-//! the result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`.
+//! the result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`. A word
+//! split needs only byte `p` itself shared; it gets the same margin so one rule covers both.
 //!
 //! ```text
 //!  cached:  |<s>system ...<eot>|<s>user ...<eot>|<s>assistant\n|            (turn N)
@@ -48,6 +51,9 @@ pub struct CacheStats {
     pub bytes_encoded_on_hits: u64,
     /// Bytes of text whose ids were reused on hits.
     pub bytes_reused: u64,
+    /// Hits that restarted at a word split point (the rest restarted after an added token or
+    /// were exact repeats).
+    pub word_split_hits: u64,
     /// Entries now held.
     pub entries: u64,
     /// Bytes now held.
@@ -67,7 +73,10 @@ struct Entry {
 
 impl Entry {
     fn cost(&self) -> usize {
-        self.text.len() + self.ids.len() * 4 + self.splits.len() * 8 + ENTRY_OVERHEAD
+        self.text.len()
+            + self.ids.len() * 4
+            + std::mem::size_of_val(self.splits.as_slice())
+            + ENTRY_OVERHEAD
     }
 }
 
@@ -123,7 +132,7 @@ impl PrefixCache {
         let found = self.best_match(text, &keys);
         let (ids, splits, superseded) = match found {
             Some((entry, id, lcp)) if lcp == text.len() && lcp == entry.text.len() => {
-                self.touch(id, 0, lcp);
+                self.touch(id, 0, lcp, false);
                 return Ok(entry.ids.clone());
             }
             Some((entry, id, lcp)) => match restart_point(&entry, lcp, enc.max_added_len) {
@@ -131,7 +140,7 @@ impl PrefixCache {
                     let (mut ids, mut splits) = extend(&entry, sp, text, enc)?;
                     ids.shrink_to_fit();
                     splits.shrink_to_fit();
-                    self.touch(id, text.len() - sp.byte as usize, sp.byte as usize);
+                    self.touch(id, text.len() - sp.byte as usize, sp.byte as usize, sp.word);
                     (ids, splits, (lcp == entry.text.len()).then_some(id))
                 }
                 None => self.miss(enc, text)?,
@@ -155,10 +164,11 @@ impl PrefixCache {
         Ok((ids, splits, None))
     }
 
-    fn touch(&self, id: u64, encoded: usize, reused: usize) {
+    fn touch(&self, id: u64, encoded: usize, reused: usize, word: bool) {
         let mut guard = self.lock();
         let g = &mut *guard;
         g.stats.hits += 1;
+        g.stats.word_split_hits += u64::from(word);
         g.stats.bytes_encoded_on_hits += encoded as u64;
         g.stats.bytes_reused += reused as u64;
         g.tick += 1;
@@ -294,6 +304,7 @@ fn extend(
     splits.extend(new_splits.into_iter().map(|s| SplitPoint {
         byte: s.byte + sp.byte,
         token: s.token + sp.token,
+        word: s.word,
     }));
     Ok((ids, splits))
 }

@@ -10,6 +10,49 @@
 //! `encode(T) = encode(T[..p]) ++ encode(T[p..])`. That needs a normalizer and pre-tokenizer
 //! that treat every piece alike (no "only at offset 0" rule such as Metaspace's
 //! `prepend_scheme: "first"`), which [`Encoder::split_safe`] checks from the file.
+//!
+//! Word split points (plain text has no added tokens, so the above alone never splits a
+//! completions prompt): position `b` with `text[b - 1]` an ASCII letter and `text[b] == ' '`.
+//! They are exact, `encode(S) = encode(T)[..k] ++ encode(S[b..])` whenever `S` and `T` share
+//! bytes `0..=b` and `k` tokens of `T` end at `b`, for tokenizers built only from parts where
+//! each step below holds; [`Encoder::word_splits`] checks them from the file:
+//!
+//! - Added tokens: none contains a space, none is `single_word`/`lstrip`/`rstrip`. So no
+//!   added-token match covers byte `b`, a match that starts before `b` ends before it in both
+//!   texts, and none looks at the byte before its start: `b` lies in a piece between added
+//!   tokens, and the pieces after `b` are those of `S[b..]` alone.
+//! - Normalizer: none, an empty sequence, or NFC. A space has canonical combining class 0 and
+//!   never composes with what precedes or follows it, so NFC(x ++ " " ++ y) =
+//!   NFC(x) ++ " " ++ NFC(y) when x ends with a letter: the letter and the space stay put.
+//! - Pre-tokenizer: one or more `Split`s (behavior `Isolated`, not inverted) whose regexes are
+//!   listed in [`WORD_SAFE_REGEXES`], then `ByteLevel` without regex and without a prefix space;
+//!   or `ByteLevel` with its built-in GPT-2 regex (`'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+|
+//!   ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`) and without a prefix space. For each of those regexes
+//!   no path of the matcher consumes an ASCII letter and then a space (a path that has consumed
+//!   a letter goes on with letters or marks only, or ends), no alternative matches the empty
+//!   string, and there is no lookbehind, anchor or `\b`. Hence no match contains both
+//!   `b - 1` and `b`; a match attempt starting before `b` reads at most byte `b` (lookahead or a
+//!   failed class test), so the matches before `b` are the same in `S` and `T`; and the search
+//!   in `S` resumes at `b` exactly as a search of `S[b..]` starts. `ByteLevel`'s byte mapping
+//!   works char by char. Stages compose: each stage cuts each piece the same way.
+//! - Model: BPE without dropout, run on each pre-token on its own; so tokens never cross `b`.
+//!
+//! With those, `b` is a boundary of the final pre-tokens in both texts and everything before it
+//! is tokenized alike. The first token starting at `b` (offsets are byte offsets into the
+//! original text; `ByteLevel` maps a char's bytes to that char's range, and the char at `b` is
+//! one byte) is `k`. Which shared tokenizers pass (`tokenizer.json` of each):
+//!
+//! - gpt2 and tiny-llama: `ByteLevel` with the GPT-2 regex, no normalizer.
+//! - llama3, llama3.1: the cl100k-style `Split` regex + `ByteLevel`, no normalizer.
+//! - qwen2, qwen3: the same regex with single digits + `ByteLevel`, NFC.
+//! - deepseek-v3: three `Split`s (digit runs of up to 3, CJK runs, then its word regex whose
+//!   letter alternatives are `[punct][A-Za-z]+` and `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`)
+//!   + `ByteLevel`, identity normalizer. Digit and CJK runs never hold an ASCII letter or a
+//!   space, so those stages leave `b - 1` and `b` in one gap and cut after `b` as alone.
+//! - Not mistral-v1/v3: the normalizer prepends `▁` to every piece, so `S[b..]` encoded alone
+//!   gets a `▁` that `S` does not have there (the tests see the invariant fail at every word
+//!   boundary), and with no pre-tokenizer a whole piece is one BPE word whose merges could
+//!   cross a space anyway.
 
 use std::path::Path;
 
@@ -19,13 +62,34 @@ use tokenizers::Tokenizer as HfTokenizer;
 
 use crate::error::{Result, TokenizeError};
 
-/// A place where tokenization may restart: `byte` ends an added token whose id is at
-/// `token - 1`, so `ids[..token]` are exactly the ids of `text[..byte]`.
+/// A place where tokenization may restart: `ids[..token]` are exactly the ids of
+/// `text[..byte]`, and the rest are those of `text[byte..]` on its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct SplitPoint {
     pub byte: u32,
     pub token: u32,
+    /// A word split (see the module docs) rather than the end of an added token.
+    pub word: bool,
 }
+
+/// Word split points are kept at least this many bytes apart: a restart re-encodes at most
+/// about this much shared text, and an entry of a 4 kB prompt holds some 60 of them.
+const WORD_SPLIT_SPACING: usize = 64;
+
+/// `Split` regexes checked against the argument in the module docs, exactly as they appear in
+/// `tokenizer.json` (after JSON unescaping).
+const WORD_SAFE_REGEXES: [&str; 5] = [
+    // llama3 / llama3.1 (cl100k-style): letters only after the optional non-letter first char.
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    // qwen2 / qwen3: the same with single digits.
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    // deepseek-v3, stage 1: digit runs; never a letter or a space.
+    r"\p{N}{1,3}",
+    // deepseek-v3, stage 2: CJK runs; never a letter or a space.
+    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
+    // deepseek-v3, stage 3: after a letter only ASCII letters or letters/marks follow.
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+];
 
 /// `tokenizer.json`, loaded.
 #[derive(Debug)]
@@ -37,6 +101,8 @@ pub(crate) struct Encoder {
     pub max_added_len: usize,
     /// Whether split points are exact for this tokenizer (see the module docs).
     pub split_safe: bool,
+    /// Whether word split points are exact too (see the module docs).
+    pub word_splits: bool,
     /// Ids the post-processor puts before and after the text when special tokens are added.
     /// `None`: not a plain prefix/suffix, so the cache is not used with special tokens.
     special_affixes: Option<(Vec<u32>, Vec<u32>)>,
@@ -54,6 +120,8 @@ struct Probe {
 
 #[derive(Deserialize)]
 struct ModelProbe {
+    #[serde(default, rename = "type")]
+    kind: Option<String>,
     #[serde(default)]
     dropout: Option<Json>,
 }
@@ -90,6 +158,13 @@ impl Encoder {
             }
         }
         let max_added_len = added.values().map(|t| t.content.len()).max().unwrap_or(0);
+        let added_word_safe = added
+            .values()
+            .all(|t| !t.single_word && !t.lstrip && !t.rstrip && !t.content.contains(' '));
+        let bpe = probe
+            .model
+            .as_ref()
+            .is_some_and(|m| m.kind.as_deref() == Some("BPE"));
         let dropout = probe
             .model
             .and_then(|m| m.dropout)
@@ -104,11 +179,23 @@ impl Encoder {
                 .pre_tokenizer
                 .as_ref()
                 .is_none_or(pre_tokenizer_is_per_piece);
+        let word_splits = split_safe
+            && added_word_safe
+            && bpe
+            && probe
+                .normalizer
+                .as_ref()
+                .is_none_or(normalizer_is_word_safe)
+            && probe
+                .pre_tokenizer
+                .as_ref()
+                .is_some_and(pre_tokenizer_is_word_safe);
         let mut enc = Encoder {
             tk,
             split_after,
             max_added_len,
             split_safe,
+            word_splits,
             special_affixes: None,
         };
         enc.special_affixes = enc.probe_special_affixes();
@@ -131,8 +218,32 @@ impl Encoder {
             .encode(text, false)
             .map_err(|e| TokenizeError::Encode(e.to_string()))?;
         let ids = enc.get_ids().to_vec();
+        let bytes = text.as_bytes();
         let mut splits = Vec::new();
+        let mut last_word = 0;
+        let mut prev_end = usize::MAX;
         for (i, (&id, &(start, end))) in ids.iter().zip(enc.get_offsets()).enumerate() {
+            // The first token starting right where the previous one ended at a letter-space
+            // boundary (tokens of one multibyte char share its range, so "first" matters).
+            if self.word_splits
+                && start == prev_end
+                && start >= last_word + WORD_SPLIT_SPACING
+                && bytes.get(start) == Some(&b' ')
+                && start
+                    .checked_sub(1)
+                    .and_then(|p| bytes.get(p))
+                    .is_some_and(u8::is_ascii_alphabetic)
+            {
+                if let (Ok(byte), Ok(token)) = (u32::try_from(start), u32::try_from(i)) {
+                    splits.push(SplitPoint {
+                        byte,
+                        token,
+                        word: true,
+                    });
+                    last_word = start;
+                }
+            }
+            prev_end = end;
             if !self.split_after.get(id as usize).copied().unwrap_or(false) {
                 continue;
             }
@@ -140,7 +251,11 @@ impl Encoder {
             let content_len = self.tk.id_to_token(id).map_or(usize::MAX, |t| t.len());
             if end.saturating_sub(start) == content_len && text.get(start..end).is_some() {
                 if let (Ok(byte), Ok(token)) = (u32::try_from(end), u32::try_from(i + 1)) {
-                    splits.push(SplitPoint { byte, token });
+                    splits.push(SplitPoint {
+                        byte,
+                        token,
+                        word: false,
+                    });
                 }
             }
         }
@@ -207,6 +322,47 @@ fn normalizer_is_per_piece(v: &Json) -> bool {
     }
 }
 
+/// Normalizers under which a letter followed by a space stays where it is (see the module docs).
+fn normalizer_is_word_safe(v: &Json) -> bool {
+    normalizer_is_identity(v) || node_type(v) == "NFC"
+}
+
+/// Pre-tokenizers that never put an ASCII letter and a following space in one pre-token, and
+/// cut the text after such a space as they cut it alone (see the module docs).
+fn pre_tokenizer_is_word_safe(v: &Json) -> bool {
+    let flag = |node: &Json, key: &str| node.get(key).and_then(Json::as_bool);
+    let byte_level = |node: &Json, regex: bool| {
+        node_type(node) == "ByteLevel"
+            && flag(node, "add_prefix_space") == Some(false)
+            && flag(node, "use_regex").unwrap_or(true) == regex
+    };
+    let safe_split = |node: &Json| {
+        node_type(node) == "Split"
+            && node.get("behavior").and_then(Json::as_str) == Some("Isolated")
+            && flag(node, "invert") == Some(false)
+            && node
+                .get("pattern")
+                .and_then(|p| p.get("Regex"))
+                .and_then(Json::as_str)
+                .is_some_and(|r| WORD_SAFE_REGEXES.contains(&r))
+    };
+    if byte_level(v, true) {
+        return true;
+    }
+    if node_type(v) != "Sequence" {
+        return false;
+    }
+    let Some(steps) = v.get("pretokenizers").and_then(Json::as_array) else {
+        return false;
+    };
+    match steps.split_last() {
+        Some((last, splits)) => {
+            !splits.is_empty() && byte_level(last, false) && splits.iter().all(safe_split)
+        }
+        None => false,
+    }
+}
+
 /// Pre-tokenizers that work on each piece alone.
 fn pre_tokenizer_is_per_piece(v: &Json) -> bool {
     if v.is_null() {
@@ -221,5 +377,86 @@ fn pre_tokenizer_is_per_piece(v: &Json) -> bool {
         "ByteLevel" | "Split" | "Digits" | "Punctuation" | "Whitespace" | "WhitespaceSplit"
         | "BertPreTokenizer" | "UnicodeScripts" | "CharDelimiterSplit" => true,
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    // Test code: a failed unwrap is a failed test with its message.
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
+    fn load(name: &str) -> Encoder {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../../shared/data/tokenizers")
+            .join(name)
+            .join("tokenizer.json");
+        Encoder::from_file(&path).unwrap()
+    }
+
+    /// Every recorded split point, of either kind, cuts the ids exactly where encoding the two
+    /// halves on their own would; the text is heavy in multibyte chars so that byte offsets
+    /// and char offsets differ everywhere.
+    #[test]
+    fn split_points_cut_ids_exactly() {
+        const PIECES: &[&str] = &[
+            "word",
+            "Ab",
+            "z",
+            " ",
+            " ",
+            "  ",
+            "\n",
+            "é",
+            "日本",
+            "😀",
+            "e\u{301}",
+            "'s",
+            "12",
+            ".",
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|endoftext|>",
+            "ß",
+            "\u{212A}",
+            "\t",
+        ];
+        for name in ["gpt2", "llama3", "qwen3", "deepseek-v3", "mistral-v3"] {
+            let enc = load(name);
+            assert_eq!(enc.word_splits, name != "mistral-v3", "{name}");
+            let mut rng = ChaCha8Rng::seed_from_u64(11);
+            let mut words = 0;
+            for _ in 0..40 {
+                let mut text = String::new();
+                while text.len() < 1500 {
+                    text.push_str(PIECES[rng.gen_range(0..PIECES.len())]);
+                }
+                let (ids, splits) = enc.encode_with_splits(&text).unwrap();
+                assert_eq!(ids, enc.encode(&text, false).unwrap(), "{name}");
+                let mut last_word = 0;
+                for sp in splits {
+                    let (b, t) = (sp.byte as usize, sp.token as usize);
+                    assert_eq!(
+                        ids[..t],
+                        enc.encode(&text[..b], false).unwrap()[..],
+                        "{name}"
+                    );
+                    assert_eq!(
+                        ids[t..],
+                        enc.encode(&text[b..], false).unwrap()[..],
+                        "{name}"
+                    );
+                    if sp.word {
+                        assert!(b >= last_word + WORD_SPLIT_SPACING, "{name}: too dense");
+                        last_word = b;
+                        words += 1;
+                    }
+                }
+            }
+            assert_eq!(words > 0, enc.word_splits, "{name}: {words} word splits");
+        }
     }
 }

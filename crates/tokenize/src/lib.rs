@@ -159,6 +159,12 @@ impl Tokenizer {
         self.encoder.split_safe
     }
 
+    /// Whether the prefix cache also restarts at word boundaries in plain text with this
+    /// tokenizer (see [`cache`]).
+    pub fn word_splits_supported(&self) -> bool {
+        self.encoder.word_splits
+    }
+
     /// Prefix-cache counters.
     pub fn cache_stats(&self) -> CacheStats {
         self.cache.stats()
