@@ -35,8 +35,13 @@ pub struct PreciseConfig {
     /// the mean must hold this many more cached tokens to win.
     pub load_weight_tokens: f64,
     /// Workers whose outstanding requests (this one included) exceed this multiple of the fair
-    /// share are ranked after all others, however much they hold: hot prefixes spread.
+    /// share, and the fair share plus `fair_share_slack`, are ranked after all others, however
+    /// much they hold: hot prefixes spread under load.
     pub fair_share_cap: f64,
+    /// Outstanding requests a worker may hold above the fair share before the cap applies,
+    /// whatever the ratio says: at low concurrency a replica one or two requests busier keeps
+    /// the conversations it holds.
+    pub fair_share_slack: f64,
     /// How much one cached token in a lower tier (CPU, storage) is worth against one on GPU.
     pub offload_credit: f64,
     /// Cost of one uncached prompt token this router already sent to the worker and that is
@@ -56,16 +61,23 @@ pub struct PreciseConfig {
 
 impl Default for PreciseConfig {
     fn default() -> Self {
-        // Chosen with `kinference bench` on the Mooncake conversation trace (8 replicas, 80 %
-        // load) and the demo's multi-turn chats (BENCHMARKS.md, "Policy defaults"): a cap of
-        // 1.5 instead of 1.25 raised Mooncake's hit rate from 19.6 % to 23.5 % with lower TTFT;
-        // 2.0 reached 24.3 % there but let the replica holding a popular system prompt queue in
-        // the demo (TTFT p90 seconds instead of a third of one). The load weight hardly moved
-        // Mooncake; a small one keeps a replica that looks one request busier (a scrape lags)
-        // from losing a short cached prefix.
+        // Chosen with `kinference bench` on the Mooncake conversation trace (8 replicas), the
+        // hot-prefix workload, the demo's multi-turn chats and the peer-router comparison
+        // (BENCHMARKS.md, "Policy defaults"). A ratio alone bit at low concurrency: with about
+        // six requests on four replicas a cap of 1.5 moved conversations off the replica holding
+        // them (peers script 55 % hit against the peers' 61 %), and on Mooncake at 50 % load
+        // cap 1.5 reached 20.6 % hit. A slack of 4 requests keeps them together (61.5 %; Mooncake
+        // 50 %: 24.9 %; hot prefixes at 80 %: 77.9 % → 90.6 % with TTFT p90 223 → 24 ms). Under
+        // load the ratio binds: on Mooncake at 80 % cap 2.0 with slack 4 reached 24.6 %, cap 1.5
+        // 23.8 %, caps of 2.5 and 3 no more, with the same TTFT tail. A cap of 2.0 once let the
+        // demo's popular system prompt queue (TTFT p90 11 s, load weight 1024); at these settings
+        // four demo runs kept TTFT p90 at 139–392 ms. The load weight hardly moved Mooncake; a
+        // small one keeps a replica that looks one request busier (a scrape lags) from losing a
+        // short cached prefix.
         PreciseConfig {
             load_weight_tokens: 256.0,
-            fair_share_cap: 1.5,
+            fair_share_cap: 2.0,
+            fair_share_slack: 4.0,
             offload_credit: 0.5,
             pending_prefill_weight: 0.25,
             kv_pressure_threshold: 0.9,
@@ -158,6 +170,7 @@ impl PreciseConfig {
     fn validate(&self, errs: &mut Vec<ConfigError>) {
         let non_neg = [
             ("load_weight_tokens", self.load_weight_tokens),
+            ("fair_share_slack", self.fair_share_slack),
             ("offload_credit", self.offload_credit),
             ("pending_prefill_weight", self.pending_prefill_weight),
             ("kv_pressure_tokens", self.kv_pressure_tokens),

@@ -10,8 +10,12 @@
 //!            − load_weight_tokens · l_i / max(m, 1)
 //!            − pending_prefill_weight · in_flight_prefill_tokens_i
 //!            − kv_pressure_tokens · max(0, kv_usage_i − threshold) / (1 − threshold)
-//!   over_cap_i = l_i + 1 > max(fair_share_cap · f, ⌈f⌉)
+//!   over_cap_i = l_i + 1 > max(fair_share_cap · f, f + fair_share_slack, ⌈f⌉)
 //! ```
+//!
+//! The cap is a ratio under load and an absolute slack at low concurrency: with a handful of
+//! requests in flight a ratio alone would move a conversation off the replica holding it over
+//! one or two extra requests, which cost far less than recomputing its prefix.
 //!
 //! Ranking: within-cap before over-cap, then higher value, then lower load, then rotation by
 //! the request's ticket, so equal candidates take turns instead of the first one always winning.
@@ -49,8 +53,11 @@ pub(crate) fn rank_by_cache(
     let fair = (total + 1.0) / n as f64;
     let bs = f64::from(block_size);
     // With few requests in flight the cap must still admit the next whole request on some
-    // worker, or every worker would be "over" it.
-    let cap = (cfg.fair_share_cap * fair).max(fair.ceil());
+    // worker, or every worker would be "over" it; the slack keeps the ratio from biting when
+    // the fair share is only a request or two.
+    let cap = (cfg.fair_share_cap * fair)
+        .max(fair + cfg.fair_share_slack)
+        .max(fair.ceil());
     let pressure_span = (1.0 - cfg.kv_pressure_threshold).max(1e-9);
 
     let mut scores: Vec<Score> = candidates
