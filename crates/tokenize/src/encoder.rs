@@ -46,8 +46,8 @@
 //! - llama3, llama3.1: the cl100k-style `Split` regex + `ByteLevel`, no normalizer.
 //! - qwen2, qwen3: the same regex with single digits + `ByteLevel`, NFC.
 //! - deepseek-v3: three `Split`s (digit runs of up to 3, CJK runs, then its word regex whose
-//!   letter alternatives are `[punct][A-Za-z]+` and `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`)
-//!   + `ByteLevel`, identity normalizer. Digit and CJK runs never hold an ASCII letter or a
+//!   letter alternatives are `[punct][A-Za-z]+` and `[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+`),
+//!   then `ByteLevel`, identity normalizer. Digit and CJK runs never hold an ASCII letter or a
 //!   space, so those stages leave `b - 1` and `b` in one gap and cut after `b` as alone.
 //! - Not mistral-v1/v3: the normalizer prepends `▁` to every piece, so `S[b..]` encoded alone
 //!   gets a `▁` that `S` does not have there (the tests see the invariant fail at every word
