@@ -46,9 +46,13 @@ pub struct ServeArgs {
     /// One-pool fleet: header carrying the session key for session-affinity.
     #[arg(long, env = "KINFERENCE_SESSION_HEADER")]
     session_header: Option<String>,
-    /// One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N].
-    /// Repeat for each replica (';' separates them in KINFERENCE_REPLICAS).
-    #[arg(long = "replica", env = "KINFERENCE_REPLICAS", value_delimiter = ';')]
+    // The help is an attribute, not a doc comment: its `[...]` are option syntax, not links.
+    #[arg(
+        long = "replica",
+        env = "KINFERENCE_REPLICAS",
+        value_delimiter = ';',
+        help = "One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N]. Repeat for each replica (';' separates them in KINFERENCE_REPLICAS)"
+    )]
     replicas: Vec<String>,
 
     /// Upstream connect timeout, ms.

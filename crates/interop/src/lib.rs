@@ -1,7 +1,7 @@
 //! Test support for checking kinference's core against a real vLLM server.
 //!
 //! The interop tests (`tests/`) run only when `KINFERENCE_REAL_VLLM_URL` and its companion
-//! variables are set (see [`env`]; `scripts/interop.sh` sets them after starting a server), so a
+//! variables are set (see [`mod@env`]; `scripts/interop.sh` sets them after starting a server), so a
 //! plain `cargo test --workspace` passes without vLLM.
 //!
 //! The pieces here are deliberately independent of the code under test: the HTTP client talks to

@@ -1,7 +1,7 @@
 //! Prefix-aware tokenization cache: a new turn of a long conversation costs only its new text.
 //!
 //! Each entry is a tokenized text (a rendered chat or a prompt) with its ids and split points
-//! (see [`crate::encoder`]): ends of added tokens and, where the tokenizer allows, word
+//! (see the `encoder` module): ends of added tokens and, where the tokenizer allows, word
 //! boundaries (a letter then a space) in plain text, so a plain completions prompt restarts
 //! too. A new text is matched against the entries sharing its first bytes;
 //! with `L` the longest common prefix, tokenization restarts at the last split point `p` with
