@@ -8,7 +8,7 @@
 
 mod common;
 
-use kinference_tokenize::{ChatMessage, ChatRequest, Tokenizer, TokenizerOptions};
+use kinference_tokenize::{ChatMessage, ChatRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -26,22 +26,6 @@ const ALL_DIRS: [&str; 9] = [
     "mistral-v3",
     "@tiny",
 ];
-
-fn load(name: &str, capacity: usize) -> Tokenizer {
-    let dir = if name == "@tiny" {
-        tiny_llama_dir()
-    } else {
-        tokenizers_dir().join(name)
-    };
-    Tokenizer::from_dir_with(
-        dir,
-        TokenizerOptions {
-            cache_capacity_bytes: capacity,
-            ..TokenizerOptions::default()
-        },
-    )
-    .unwrap()
-}
 
 fn request(msgs: &[(bool, String)], system: Option<&str>) -> ChatRequest {
     let mut m: Vec<ChatMessage> = system

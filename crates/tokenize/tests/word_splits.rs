@@ -8,7 +8,7 @@
 
 mod common;
 
-use kinference_tokenize::{Tokenizer, TokenizerOptions};
+use kinference_tokenize::Tokenizer;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -26,22 +26,6 @@ const ALL: [(&str, bool); 9] = [
     ("mistral-v1", false),
     ("mistral-v3", false),
 ];
-
-fn load(name: &str, capacity: usize) -> Tokenizer {
-    let dir = if name == "@tiny" {
-        tiny_llama_dir()
-    } else {
-        tokenizers_dir().join(name)
-    };
-    Tokenizer::from_dir_with(
-        dir,
-        TokenizerOptions {
-            cache_capacity_bytes: capacity,
-            ..TokenizerOptions::default()
-        },
-    )
-    .unwrap()
-}
 
 const WORDS: &[&str] = &[
     "the",
@@ -299,16 +283,7 @@ fn adversarial_shared_prefixes_equal_full_tokenization() {
                         pool.remove(0);
                     }
                 }
-                let st = tok.cache_stats();
-                if *word {
-                    assert!(
-                        st.word_split_hits >= checks / 8,
-                        "{name}: too few word-split restarts: {checks} checks, {st:?}"
-                    );
-                } else {
-                    assert_eq!(st.word_split_hits, 0, "{name}: {st:?}");
-                }
-                println!("{name}: {checks} adversarial checks, {st:?}");
+                assert_word_split_use(&tok, name, *word, checks, "adversarial");
             });
         }
     });
@@ -361,17 +336,23 @@ fn growing_sharegpt_prompts_equal_full_tokenization() {
                         checks += 1;
                     }
                 }
-                let st = tok.cache_stats();
-                if *word {
-                    assert!(
-                        st.word_split_hits >= checks / 8,
-                        "{name}: too few word-split restarts: {checks} checks, {st:?}"
-                    );
-                } else {
-                    assert_eq!(st.word_split_hits, 0, "{name}: {st:?}");
-                }
-                println!("{name}: {checks} ShareGPT checks, {st:?}");
+                assert_word_split_use(&tok, name, *word, checks, "ShareGPT");
             });
         }
     });
+}
+
+/// The cache must have restarted at word splits often (so a passing run is not vacuous) where
+/// they are on, and never where they are off.
+fn assert_word_split_use(tok: &Tokenizer, name: &str, word: bool, checks: u64, what: &str) {
+    let st = tok.cache_stats();
+    if word {
+        assert!(
+            st.word_split_hits >= checks / 8,
+            "{name}: too few word-split restarts: {checks} checks, {st:?}"
+        );
+    } else {
+        assert_eq!(st.word_split_hits, 0, "{name}: {st:?}");
+    }
+    println!("{name}: {checks} {what} checks, {st:?}");
 }

@@ -8,7 +8,7 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use kinference_tokenize::{Json, Map};
+use kinference_tokenize::{Json, Map, Tokenizer, TokenizerOptions};
 use sha2::{Digest, Sha256};
 
 /// `../shared` beside the repository (required: the tests read real tokenizers from it).
@@ -25,6 +25,24 @@ pub fn tokenizers_dir() -> PathBuf {
 
 pub fn tiny_llama_dir() -> PathBuf {
     shared_dir().join("golden/real_vllm_0.32/tiny-llama-tokenizer")
+}
+
+/// A shared tokenizer by directory name (`@tiny`: the real-vLLM interop model's) with a prefix
+/// cache of `capacity` bytes.
+pub fn load(name: &str, capacity: usize) -> Tokenizer {
+    let dir = if name == "@tiny" {
+        tiny_llama_dir()
+    } else {
+        tokenizers_dir().join(name)
+    };
+    Tokenizer::from_dir_with(
+        dir,
+        TokenizerOptions {
+            cache_capacity_bytes: capacity,
+            ..TokenizerOptions::default()
+        },
+    )
+    .unwrap()
 }
 
 /// Reads a `.jsonl.gz` file into JSON values.
