@@ -58,19 +58,8 @@ show_logs() {
   return 0
 }
 die() { DIED=1; log "error: $*"; show_logs; exit 1; }
-stop() {
-  local pid=$1
-  [ -n "$pid" ] || return 0
-  kill "$pid" 2>/dev/null || return 0
-  # Each drains on SIGTERM; one that does not exit within 10 s is killed.
-  for _ in $(seq 1 100); do
-    kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
-    sleep 0.1
-  done
-  kill -9 "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-  return 0
-}
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
 cleanup() {
   local rc=$? i
   [ "$rc" -ne 0 ] && [ -z "${DIED:-}" ] && show_logs
