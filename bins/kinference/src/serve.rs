@@ -82,6 +82,9 @@ pub struct ServeArgs {
     /// Timeout of one scrape, ms.
     #[arg(long, env = "KINFERENCE_SCRAPE_TIMEOUT_MS")]
     scrape_timeout_ms: Option<u64>,
+    /// Data-plane threads [default: one per CPU].
+    #[arg(long, env = "KINFERENCE_THREADS")]
+    threads: Option<usize>,
     /// Name the serving replica in x-kinference-endpoint response headers.
     #[arg(long, env = "KINFERENCE_EXPOSE_ENDPOINT_HEADER")]
     expose_endpoint_header: bool,
@@ -196,6 +199,9 @@ impl ServeArgs {
         if let Some(v) = self.max_attempts {
             cfg.limits.max_attempts = v;
         }
+        if let Some(v) = self.threads {
+            cfg.threads = Some(v);
+        }
         if self.expose_endpoint_header {
             cfg.expose_endpoint_header = true;
         }
@@ -206,7 +212,13 @@ impl ServeArgs {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
+    // Requests are served on the proxy's own data-plane threads (`threads`); this runtime only
+    // carries the background work (event streams into the index, scrapes, discovery, the admin
+    // port). One worker keeps that work from waking a second thread per KV-event batch, which
+    // took CPU from the data plane (BENCHMARKS.md, "Router latency"); the index ingests
+    // millions of block events per second on one core.
     let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
         .enable_all()
         .thread_name("kinference")
         .build()

@@ -40,6 +40,10 @@ pub struct Config {
     /// the replica that served them. Off by default: it reveals internal addresses.
     #[serde(default)]
     pub expose_endpoint_header: bool,
+    /// Data-plane threads, each accepting and serving its own client connections on its own
+    /// event loop (with its own upstream connections); `None` = one per CPU.
+    #[serde(default)]
+    pub threads: Option<usize>,
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
 }
@@ -422,6 +426,7 @@ impl Config {
             limits: Limits::default(),
             scrape: Scrape::default(),
             expose_endpoint_header: false,
+            threads: None,
             pools,
         }
     }
@@ -513,6 +518,9 @@ impl Config {
         }
         if self.limits.max_attempts == 0 {
             errs.push("limits.max_attempts", "must be >= 1");
+        }
+        if self.threads == Some(0) {
+            errs.push("threads", "must be >= 1 (leave it out for one per CPU)");
         }
         if self.scrape.interval_ms > 0 && self.scrape.timeout_ms == 0 {
             errs.push("scrape.timeout_ms", "must be > 0");
@@ -808,6 +816,7 @@ pools:
         let text = format!(
             r#"
 listen: nowhere
+threads: 0
 timeouts: {{connect_ms: 0}}
 limits: {{max_attempts: 0}}
 pools:
@@ -837,6 +846,7 @@ pools:
             "listen:",
             "timeouts.connect_ms:",
             "limits.max_attempts:",
+            "threads:",
             "pools[0].tokenizer:",
             "pools[0].block_size:",
             "pools[0].hash_algo:",

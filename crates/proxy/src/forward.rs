@@ -35,7 +35,7 @@ use tokio::time::{Instant, Sleep};
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
 use crate::metrics::{PoolKind, PoolLabel, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
-use crate::upstream::{build_request, error_chain, response_headers};
+use crate::upstream::{build_request, error_chain, response_headers, Upstream};
 use crate::usage::UsageScanner;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -94,6 +94,7 @@ pub(crate) fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> R
 /// with the response (`None` when the router answered).
 pub(crate) async fn forward(
     fleet: &Arc<Fleet>,
+    upstream: &Upstream,
     req: Forward,
     targets: &[Target],
 ) -> (Response, Option<usize>) {
@@ -123,7 +124,7 @@ pub(crate) async fn forward(
             }
         };
         let first_byte = settings.timeouts.first_byte();
-        let sent = tokio::time::timeout(first_byte, fleet.upstream.send(upstream_req)).await;
+        let sent = tokio::time::timeout(first_byte, upstream.send(upstream_req)).await;
         let more = i + 1 < attempts;
         match sent {
             Err(_) => {

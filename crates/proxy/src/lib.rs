@@ -43,6 +43,15 @@
 //!   upstream wait has a timeout).
 //! * Prompts are never logged.
 //! * Time for the policies is tokio's clock, so paused-time tests drive expiry.
+//!
+//! # Threads
+//!
+//! The data port is served by `threads` data-plane threads (one per CPU by default), each a
+//! single-threaded tokio runtime accepting from the same listening socket and keeping its
+//! own upstream connection pool: a request never crosses threads, which on a work-stealing
+//! runtime cost a wake-up of another thread per hop (measured in BENCHMARKS.md, "Router
+//! latency"). Event planes, scrapers, discovery and the admin port run on the caller's
+//! runtime.
 
 mod admin;
 pub mod api;
@@ -88,6 +97,8 @@ pub struct Proxy {
     admin_addr: SocketAddr,
     fleet: Arc<Fleet>,
     stop: CancellationToken,
+    /// Cancelled when the drain time is over: the data-plane threads drop what still runs.
+    cut: CancellationToken,
     servers: Vec<JoinHandle<()>>,
     background: Vec<JoinHandle<()>>,
 }
@@ -150,23 +161,50 @@ impl Proxy {
             }));
         }
         let stop = CancellationToken::new();
+        let cut = CancellationToken::new();
         let data_addr = data.local_addr()?;
         let admin_addr = admin.local_addr()?;
-        let data_app = server::router(fleet.clone());
+        let threads = config.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        });
+        let data = data.into_std()?;
+        let mut servers = Vec::with_capacity(threads + 1);
+        for i in 0..threads {
+            let shard = Shard {
+                index: i,
+                listener: data.try_clone()?,
+                fleet: fleet.clone(),
+                stop: stop.clone(),
+                cut: cut.clone(),
+            };
+            let done = match shard.spawn().await {
+                Ok(done) => done,
+                Err(e) => {
+                    // The shards already running stop with their token.
+                    stop.cancel();
+                    for h in &background {
+                        h.abort();
+                    }
+                    return Err(e.into());
+                }
+            };
+            servers.push(tokio::spawn(async move {
+                let _ = done.await;
+            }));
+        }
+        drop(data);
         let admin_app = admin::router(Arc::new(AdminState {
             fleet: fleet.clone(),
             registry,
         }));
-        let servers = vec![
-            tokio::spawn(serve(data, data_app, stop.clone(), "data")),
-            tokio::spawn(serve(admin, admin_app, stop.clone(), "admin")),
-        ];
-        tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), "router started");
+        servers.push(tokio::spawn(serve(admin, admin_app, stop.clone(), "admin")));
+        tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), threads, "router started");
         Ok(Proxy {
             data_addr,
             admin_addr,
             fleet,
             stop,
+            cut,
             servers,
             background,
         })
@@ -279,10 +317,18 @@ impl Proxy {
             h.abort();
         }
         let drain = self.fleet.settings.timeouts.drain();
+        let deadline = tokio::time::Instant::now() + drain;
         for mut h in self.servers {
-            if tokio::time::timeout(drain, &mut h).await.is_err() {
+            if tokio::time::timeout_at(deadline, &mut h).await.is_err() {
                 tracing::warn!("requests still running after the drain time; cutting them");
-                h.abort();
+                self.cut.cancel();
+                // A data-plane thread ends promptly once cut; the admin server is aborted.
+                if tokio::time::timeout(Duration::from_secs(5), &mut h)
+                    .await
+                    .is_err()
+                {
+                    h.abort();
+                }
             }
         }
         for h in self.background {
@@ -298,6 +344,81 @@ impl Proxy {
                 }
             }
         }
+    }
+}
+
+/// One data-plane thread: a single-threaded event loop that accepts from the shared data
+/// listener and serves the connections it accepted, start to end, with its own pool of
+/// upstream connections. Everything one request does (client socket, routing, upstream socket,
+/// streaming) stays on one thread, so no request pays for waking another thread; the shared
+/// state (index, policy, load counters) is behind locks and atomics as before.
+struct Shard {
+    index: usize,
+    listener: std::net::TcpListener,
+    fleet: Arc<Fleet>,
+    stop: CancellationToken,
+    cut: CancellationToken,
+}
+
+impl Shard {
+    /// Starts the thread and waits until it accepts; the receiver it returns completes when
+    /// the thread has stopped.
+    async fn spawn(self) -> std::io::Result<tokio::sync::oneshot::Receiver<()>> {
+        let (ready_tx, ready) = tokio::sync::oneshot::channel();
+        let (done, finished) = tokio::sync::oneshot::channel();
+        // Linux keeps 15 bytes of a thread's name: short enough to stay distinct.
+        let name = format!("kinf-data-{}", self.index);
+        std::thread::Builder::new().name(name).spawn(move || {
+            self.run(ready_tx);
+            let _ = done.send(());
+        })?;
+        match ready.await {
+            Ok(Ok(())) => Ok(finished),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(std::io::Error::other(
+                "a data-plane thread stopped at start",
+            )),
+        }
+    }
+
+    fn run(self, ready: tokio::sync::oneshot::Sender<std::io::Result<()>>) {
+        let Shard {
+            index: _,
+            listener,
+            fleet,
+            stop,
+            cut,
+        } = self;
+        let started = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .and_then(|rt| {
+                let listener = {
+                    let _in_rt = rt.enter();
+                    TcpListener::from_std(listener)?
+                };
+                Ok((rt, listener))
+            });
+        let (rt, listener) = match started {
+            Ok(x) => {
+                let _ = ready.send(Ok(()));
+                x
+            }
+            Err(e) => {
+                let _ = ready.send(Err(e));
+                return;
+            }
+        };
+        rt.block_on(async move {
+            let upstream = Upstream::new(fleet.settings.timeouts.connect());
+            let app = server::router(fleet, upstream);
+            tokio::select! {
+                () = serve(listener, app, stop, "data") => {}
+                () = cut.cancelled() => {}
+            }
+        });
+        // Dropping the runtime drops every connection still open on this thread.
+        drop(rt);
     }
 }
 

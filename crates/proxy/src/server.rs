@@ -28,14 +28,23 @@ use crate::fleet::{Fleet, Pool};
 use crate::forward::{forward, reject, Forward, Target};
 use crate::metrics::{DecisionLabels, PoolLabel, RequestLabels};
 use crate::route::{self, Api};
+use crate::upstream::Upstream;
 
-pub(crate) fn router(fleet: Arc<Fleet>) -> Router {
+/// What the data port's handlers share: the fleet, and the upstream client of the thread
+/// they run on.
+#[derive(Clone)]
+pub(crate) struct Data {
+    fleet: Arc<Fleet>,
+    upstream: Upstream,
+}
+
+pub(crate) fn router(fleet: Arc<Fleet>, upstream: Upstream) -> Router {
     Router::new()
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
         .fallback(passthrough)
-        .with_state(fleet)
+        .with_state(Data { fleet, upstream })
 }
 
 /// Reads a whole request body, refusing more than `limit` bytes.
@@ -65,15 +74,15 @@ fn path_and_query(parts: &Parts) -> String {
         .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned())
 }
 
-async fn completions(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
-    routed(fleet, Api::Completions, req).await
+async fn completions(State(data): State<Data>, req: Request) -> Response {
+    routed(data, Api::Completions, req).await
 }
 
-async fn chat_completions(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
-    routed(fleet, Api::Chat, req).await
+async fn chat_completions(State(data): State<Data>, req: Request) -> Response {
+    routed(data, Api::Chat, req).await
 }
 
-async fn routed(fleet: Arc<Fleet>, api: Api, req: Request) -> Response {
+async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Response {
     let start = Instant::now();
     let route = api.route();
     let (parts, body) = match read_body(fleet.settings.max_body_bytes, req).await {
@@ -132,7 +141,7 @@ async fn routed(fleet: Arc<Fleet>, api: Api, req: Request) -> Response {
         body,
         start,
     };
-    let (resp, used) = forward(&fleet, fwd, &targets).await;
+    let (resp, used) = forward(&fleet, &upstream, fwd, &targets).await;
     if let (Some(i), Some(first)) = (used, decision.chosen()) {
         if let Some(t) = targets.get(i).filter(|_| i > 0) {
             // The request landed on a fallback: that worker now holds the prefix.
@@ -196,7 +205,7 @@ struct ModelOnly {
     model: Option<String>,
 }
 
-async fn passthrough(State(fleet): State<Arc<Fleet>>, req: Request) -> Response {
+async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request) -> Response {
     let start = Instant::now();
     let route = route_label(req.uri().path());
     let (parts, body) = match read_body(fleet.settings.max_body_bytes, req).await {
@@ -225,12 +234,12 @@ async fn passthrough(State(fleet): State<Arc<Fleet>>, req: Request) -> Response 
         body,
         start,
     };
-    forward(&fleet, fwd, &targets).await.0
+    forward(&fleet, &upstream, fwd, &targets).await.0
 }
 
 /// `GET /v1/models`: the models every pool serves, with the replicas' own descriptions where
 /// one answers, and a minimal entry otherwise.
-async fn models(State(fleet): State<Arc<Fleet>>) -> Response {
+async fn models(State(Data { fleet, upstream }): State<Data>) -> Response {
     let timeout = fleet
         .settings
         .timeouts
@@ -239,8 +248,8 @@ async fn models(State(fleet): State<Arc<Fleet>>) -> Response {
     let mut tasks = tokio::task::JoinSet::new();
     for pool in &fleet.pools {
         for r in pool.replicas.iter().filter(|r| r.health() != Health::Down) {
-            let (f, r) = (fleet.clone(), r.clone());
-            tasks.spawn(async move { f.upstream.get(&r, "/v1/models", timeout, 4 << 20).await });
+            let (u, r) = (upstream.clone(), r.clone());
+            tasks.spawn(async move { u.get(&r, "/v1/models", timeout, 4 << 20).await });
         }
     }
     let mut described: BTreeMap<String, Value> = BTreeMap::new();
