@@ -72,6 +72,10 @@ pub struct Timeouts {
     pub total_ms: u64,
     /// On shutdown, how long running requests may take to finish before they are cut.
     pub drain_ms: u64,
+    /// An idle upstream connection is reused only within this; keep it below the replicas'
+    /// keep-alive (vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s by default), so that a replica
+    /// never closes a connection as a request is being written to it.
+    pub pool_idle_ms: u64,
 }
 
 impl Default for Timeouts {
@@ -82,6 +86,7 @@ impl Default for Timeouts {
             idle_ms: 300_000,
             total_ms: 0,
             drain_ms: 10_000,
+            pool_idle_ms: 4_000,
         }
     }
 }
@@ -101,6 +106,10 @@ impl Timeouts {
     }
     pub fn drain(&self) -> Duration {
         Duration::from_millis(self.drain_ms)
+    }
+
+    pub fn pool_idle(&self) -> Duration {
+        Duration::from_millis(self.pool_idle_ms)
     }
 }
 
@@ -508,6 +517,7 @@ impl Config {
             ("connect_ms", t.connect_ms),
             ("first_byte_ms", t.first_byte_ms),
             ("idle_ms", t.idle_ms),
+            ("pool_idle_ms", t.pool_idle_ms),
         ] {
             if v == 0 {
                 errs.push(format!("timeouts.{name}"), "must be > 0");

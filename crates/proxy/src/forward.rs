@@ -29,11 +29,11 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
-use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
+use crate::link::LinkBody;
 use crate::metrics::{PoolKind, PoolLabel, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
 use crate::upstream::{build_request, error_chain, response_headers, Upstream};
 use crate::usage::UsageScanner;
@@ -124,7 +124,7 @@ pub(crate) async fn forward(
             }
         };
         let first_byte = settings.timeouts.first_byte();
-        let sent = tokio::time::timeout(first_byte, upstream.send(upstream_req)).await;
+        let sent = tokio::time::timeout(first_byte, upstream.send(&t.replica, upstream_req)).await;
         let more = i + 1 < attempts;
         match sent {
             Err(_) => {
@@ -211,7 +211,7 @@ fn respond(
     req: Forward,
     t: &Target,
     guard: InFlight,
-    resp: http::Response<Incoming>,
+    resp: http::Response<LinkBody>,
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
     let status = parts.status;
@@ -290,7 +290,7 @@ impl Observer {
 /// The replica's response body on its way to the client.
 #[derive(Debug)]
 struct UpstreamBody {
-    inner: Incoming,
+    inner: LinkBody,
     guard: Option<InFlight>,
     idle: Pin<Box<Sleep>>,
     idle_after: Duration,

@@ -60,6 +60,7 @@ mod discovery;
 pub mod error;
 mod fleet;
 mod forward;
+mod link;
 mod metrics;
 mod route;
 mod scrape;
@@ -125,7 +126,7 @@ impl Proxy {
     ) -> Result<Proxy, StartError> {
         config.check()?;
         let metrics = Metrics::new();
-        let upstream = Upstream::new(config.timeouts.connect());
+        let upstream = Upstream::new(config.timeouts.connect(), config.timeouts.pool_idle());
         let (fleet, discoveries) = fleet::build(&config, metrics.clone(), upstream).await?;
         let fleet = Arc::new(fleet);
         let registry = metrics.registry(fleet.clone());
@@ -410,7 +411,8 @@ impl Shard {
             }
         };
         rt.block_on(async move {
-            let upstream = Upstream::new(fleet.settings.timeouts.connect());
+            let t = &fleet.settings.timeouts;
+            let upstream = Upstream::new(t.connect(), t.pool_idle());
             let app = server::router(fleet, upstream);
             tokio::select! {
                 () = serve(listener, app, stop, "data") => {}

@@ -1,6 +1,7 @@
-//! The HTTP client towards replicas: one pooled hyper client with `TCP_NODELAY`, building
-//! upstream requests from client requests (hop-by-hop headers dropped, `Host` rewritten, the
-//! body's original bytes), and small GETs for scraping and discovery.
+//! The HTTP client towards replicas, `TCP_NODELAY` throughout: forwarded requests go on
+//! connections driven by the requests themselves (`link`); small GETs for scraping and
+//! discovery use a pooled hyper client. Also builds upstream requests from client requests
+//! (hop-by-hop headers dropped, `Host` rewritten, the body's original bytes).
 //!
 //! Invariant: an upstream request carries exactly the bytes the client sent as its body; only
 //! headers are touched (hop-by-hop removed, `Host`, and vLLM's `X-data-parallel-rank`).
@@ -11,24 +12,26 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::fleet::Replica;
+use crate::link::{LinkBody, LinkError, Links};
 
 /// vLLM's header naming the DP rank that must serve a request.
 pub(crate) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
-/// The pooled upstream client.
+/// The upstream client: forwarded requests on connections driven by the requests themselves
+/// (`link`), scrapes and other small GETs on a pooled hyper client.
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
+    links: Links,
 }
 
 impl Upstream {
-    pub fn new(connect_timeout: Duration) -> Self {
+    pub fn new(connect_timeout: Duration, pool_idle: Duration) -> Self {
         let mut connector = HttpConnector::new();
         // Small SSE chunks must leave at once: Nagle's algorithm with delayed ACKs adds ~40 ms.
         connector.set_nodelay(true);
@@ -36,17 +39,22 @@ impl Upstream {
         connector.enforce_http(true);
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
-            .pool_idle_timeout(Duration::from_secs(60))
             .pool_max_idle_per_host(256)
+            .pool_idle_timeout(pool_idle)
             .build(connector);
-        Upstream { client }
+        Upstream {
+            client,
+            links: Links::new(connect_timeout, pool_idle),
+        }
     }
 
+    /// Forwards one request to `replica`.
     pub async fn send(
         &self,
+        replica: &Replica,
         req: Request<Full<Bytes>>,
-    ) -> Result<Response<Incoming>, hyper_util::client::legacy::Error> {
-        self.client.request(req).await
+    ) -> Result<Response<LinkBody>, LinkError> {
+        self.links.send(&replica.authority, req).await
     }
 
     /// `GET base + path`, whole body (at most `limit` bytes), within `timeout`.
