@@ -30,6 +30,11 @@
 #      PEERS_GPU_BLOCKS       KV blocks of 16 tokens per replica (default 2048: the fleet holds
 #                             about 40 % of the conversations' tokens at once, so placement matters)
 #      PEERS_KINFERENCE_POLICY  the first target's policy, a name or YAML (default precise)
+#      PEERS_WORKLOAD         multi-turn (default) or hot-prefix: groups of requests sharing a
+#                             long prefix, Zipf-popular (the hottest group alone is more than one
+#                             replica's share), Poisson arrivals; sized by PEERS_HOT_REQUESTS
+#                             (1200), PEERS_HOT_GROUPS (16), PEERS_HOT_PREFIX_TOKENS (2048),
+#                             PEERS_HOT_RATE (40 requests/s)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -42,6 +47,11 @@ SPEEDUP=${PEERS_SPEEDUP:-4}
 SIM_SPEEDUP=${PEERS_SIM_SPEEDUP:-5}
 GPU_BLOCKS=${PEERS_GPU_BLOCKS:-2048}
 KINFERENCE_POLICY=${PEERS_KINFERENCE_POLICY:-precise}
+WORKLOAD=${PEERS_WORKLOAD:-multi-turn}
+HOT_REQUESTS=${PEERS_HOT_REQUESTS:-1200}
+HOT_GROUPS=${PEERS_HOT_GROUPS:-16}
+HOT_PREFIX_TOKENS=${PEERS_HOT_PREFIX_TOKENS:-2048}
+HOT_RATE=${PEERS_HOT_RATE:-40}
 REPLICAS=4
 MODEL=sim
 BLOCK=16
@@ -220,11 +230,21 @@ start_peer vllm-router "$PEERS_DIR/vllm-router/bin/vllm-router" warning
 start_peer sglang-router "$PEERS_DIR/sglang-router/bin/smg" warn launch --tokenizer-path "$TOKENIZER"
 
 # --- one workload, every target in turn, caches reset between them
-log "bench: $(( ${#TARGETS[@]} / 2 )) targets, multi-turn ($CONVERSATIONS conversations x 6 turns, its own times / $SPEEDUP)"
+case $WORKLOAD in
+  multi-turn)
+    log "bench: $(( ${#TARGETS[@]} / 2 )) targets, multi-turn ($CONVERSATIONS conversations x 6 turns, its own times / $SPEEDUP)"
+    WORKLOAD_FLAGS=(--workload multi-turn --requests "$CONVERSATIONS" --arrivals trace --speedup "$SPEEDUP")
+    ;;
+  hot-prefix)
+    log "bench: $(( ${#TARGETS[@]} / 2 )) targets, hot prefixes ($HOT_REQUESTS requests, $HOT_GROUPS groups of $HOT_PREFIX_TOKENS tokens, Zipf 1.1, Poisson $HOT_RATE/s)"
+    WORKLOAD_FLAGS=(--workload shared-prefix --requests "$HOT_REQUESTS" --groups "$HOT_GROUPS" --zipf 1.1
+      --prefix-tokens "$HOT_PREFIX_TOKENS" --arrivals poisson --rate "$HOT_RATE")
+    ;;
+  *) die "PEERS_WORKLOAD must be multi-turn or hot-prefix, not $WORKLOAD" ;;
+esac
 # In the background, so that an interrupt stops everything at once rather than after the bench.
 NO_COLOR=1 nice "$BIN" bench --mode live "${TARGETS[@]}" "${METRICS_FLAGS[@]}" --reset-caches \
-  --model "$MODEL" --tokenizer "$TOKENIZER" \
-  --workload multi-turn --requests "$CONVERSATIONS" --arrivals trace --speedup "$SPEEDUP" \
+  --model "$MODEL" --tokenizer "$TOKENIZER" "${WORKLOAD_FLAGS[@]}" \
   --seed 1 --request-timeout 60 --out "$OUT" >"$LOGS/bench.out" 2>"$LOGS/bench.err" &
 BENCH_PID=$!
 PIDS+=("$BENCH_PID")

@@ -49,7 +49,8 @@ pub struct PreciseConfig {
     pub pending_prefill_weight: f64,
     /// KV usage above which a worker is penalised (it is close to preempting).
     pub kv_pressure_threshold: f64,
-    /// Penalty, in cached tokens, at 100 % KV usage (linear from the threshold).
+    /// Penalty, in cached tokens, at 100 % KV usage (linear from the threshold); 0 (the
+    /// default) turns the term off.
     pub kv_pressure_tokens: f64,
     /// After routing, assume the chosen worker holds the request's blocks for this long,
     /// until its events confirm them. Zero disables speculation.
@@ -73,7 +74,12 @@ impl Default for PreciseConfig {
         // demo's popular system prompt queue (TTFT p90 11 s, load weight 1024); at these settings
         // four demo runs kept TTFT p90 at 139–392 ms. The load weight hardly moved Mooncake; a
         // small one keeps a replica that looks one request busier (a scrape lags) from losing a
-        // short cached prefix.
+        // short cached prefix. The KV-pressure term is off: it pushed requests away from a
+        // replica that holds their prefix just when KV memory is short, where a miss costs the
+        // most (the prefix must be stored again elsewhere). Off, ShareGPT at 80 % load went from
+        // 54.0 to 62.2 % hit (8 replicas; TTFT p90 317 → 27 ms) and from 49.4 to 58.6 % (4), a
+        // KV-bound hot-prefix run from 59.5 to 73.3 % (TTFT p90 20.4 → 11.7 s), and Mooncake
+        // and the hot prefixes did not change (BENCHMARKS.md, "Policy defaults").
         PreciseConfig {
             load_weight_tokens: 256.0,
             fair_share_cap: 2.0,
@@ -81,7 +87,7 @@ impl Default for PreciseConfig {
             offload_credit: 0.5,
             pending_prefill_weight: 0.25,
             kv_pressure_threshold: 0.9,
-            kv_pressure_tokens: 2048.0,
+            kv_pressure_tokens: 0.0,
             speculative_ttl: Duration::from_secs(2),
             speculative_capacity: 1 << 20,
         }

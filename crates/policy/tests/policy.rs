@@ -272,6 +272,28 @@ fn unscorable_workers_are_routed_by_load_only() {
 }
 
 #[test]
+fn a_worker_short_of_kv_memory_keeps_the_prefix_it_holds_unless_pressure_is_priced() {
+    // Worker 0 holds 40 of the prompt's blocks and is at 98 % KV usage; the others hold
+    // nothing and have room. Sending the request elsewhere would store the whole prefix again
+    // where memory is just as needed, so by default the cache wins.
+    let h = hashes(1, 44);
+    let mut c = fleet(3);
+    c[0].cache = gpu(40);
+    c[0].load.kv_usage = 0.98;
+    c[1].load.kv_usage = 0.5;
+    c[2].load.kv_usage = 0.5;
+    let d = precise().select(&ctx(&h, 0), &c, Duration::ZERO);
+    assert_eq!(d.chosen(), Some(w(0)));
+    // Priced above the prefix's worth (640 tokens), the pressure term moves it.
+    let priced = Policy::new(PolicyConfig::Precise(PreciseConfig {
+        kv_pressure_tokens: 2048.0,
+        ..PreciseConfig::default()
+    }));
+    let d = priced.select(&ctx(&h, 0), &c, Duration::ZERO);
+    assert_ne!(d.chosen(), Some(w(0)));
+}
+
+#[test]
 fn offloaded_blocks_count_at_a_discount() {
     let h = hashes(1, 40);
     let mut c = fleet(3);
