@@ -34,7 +34,15 @@
 #                             long prefix, Zipf-popular (the hottest group alone is more than one
 #                             replica's share), Poisson arrivals; sized by PEERS_HOT_REQUESTS
 #                             (1200), PEERS_HOT_GROUPS (16), PEERS_HOT_PREFIX_TOKENS (2048),
-#                             PEERS_HOT_RATE (40 requests/s)
+#                             PEERS_HOT_RATE (40 requests/s); or mooncake: the first
+#                             PEERS_MOONCAKE_REQUESTS (1200) requests of the Mooncake
+#                             conversation trace at its own times / PEERS_MOONCAKE_SPEEDUP
+#                             (default 1.341 x PEERS_SIM_SPEEDUP: the speed-up at which
+#                             `kinference bench --mode sim --replicas 4 --load 0.8` puts the
+#                             whole trace at 80 % of the fleet's capacity), on replicas of
+#                             1,024,000 KV tokens (PEERS_GPU_BLOCKS defaults to 64000 here) and
+#                             PEERS_SIM_SPEEDUP 2 unless set (the prompts average 12,000 tokens,
+#                             which the router, the replicas and the client all tokenize)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -44,14 +52,21 @@ TOKENIZER=$SHARED/golden/real_vllm_0.32/tiny-llama-tokenizer
 PEERS_DIR=${KINFERENCE_PEERS_DIR:-$HOME/.cache/kinference/peers}
 CONVERSATIONS=${PEERS_CONVERSATIONS:-80}
 SPEEDUP=${PEERS_SPEEDUP:-4}
-SIM_SPEEDUP=${PEERS_SIM_SPEEDUP:-5}
-GPU_BLOCKS=${PEERS_GPU_BLOCKS:-2048}
 KINFERENCE_POLICY=${PEERS_KINFERENCE_POLICY:-precise}
 WORKLOAD=${PEERS_WORKLOAD:-multi-turn}
 HOT_REQUESTS=${PEERS_HOT_REQUESTS:-1200}
 HOT_GROUPS=${PEERS_HOT_GROUPS:-16}
 HOT_PREFIX_TOKENS=${PEERS_HOT_PREFIX_TOKENS:-2048}
 HOT_RATE=${PEERS_HOT_RATE:-40}
+MOONCAKE_REQUESTS=${PEERS_MOONCAKE_REQUESTS:-1200}
+if [ "$WORKLOAD" = mooncake ]; then
+  GPU_BLOCKS=${PEERS_GPU_BLOCKS:-64000}
+  SIM_SPEEDUP=${PEERS_SIM_SPEEDUP:-2}
+else
+  GPU_BLOCKS=${PEERS_GPU_BLOCKS:-2048}
+  SIM_SPEEDUP=${PEERS_SIM_SPEEDUP:-5}
+fi
+MOONCAKE_SPEEDUP=${PEERS_MOONCAKE_SPEEDUP:-$(python3 -c 'import sys; print(round(1.341 * float(sys.argv[1]), 3))' "$SIM_SPEEDUP")}
 REPLICAS=4
 MODEL=sim
 BLOCK=16
@@ -240,7 +255,11 @@ case $WORKLOAD in
     WORKLOAD_FLAGS=(--workload shared-prefix --requests "$HOT_REQUESTS" --groups "$HOT_GROUPS" --zipf 1.1
       --prefix-tokens "$HOT_PREFIX_TOKENS" --arrivals poisson --rate "$HOT_RATE")
     ;;
-  *) die "PEERS_WORKLOAD must be multi-turn or hot-prefix, not $WORKLOAD" ;;
+  mooncake)
+    log "bench: $(( ${#TARGETS[@]} / 2 )) targets, the Mooncake conversation trace (first $MOONCAKE_REQUESTS requests, its own times / $MOONCAKE_SPEEDUP)"
+    WORKLOAD_FLAGS=(--workload mooncake --max-requests "$MOONCAKE_REQUESTS" --arrivals trace --speedup "$MOONCAKE_SPEEDUP")
+    ;;
+  *) die "PEERS_WORKLOAD must be multi-turn, hot-prefix or mooncake, not $WORKLOAD" ;;
 esac
 # In the background, so that an interrupt stops everything at once rather than after the bench.
 NO_COLOR=1 nice "$BIN" bench --mode live "${TARGETS[@]}" "${METRICS_FLAGS[@]}" --reset-caches \

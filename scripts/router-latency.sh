@@ -36,6 +36,10 @@
 #      TOKENIZER=../shared/data/tokenizers/llama3.1   (router and replicas use the same one)
 #      RESULTS=target/router-latency                   (a timestamped directory is made in it)
 #      PEERS_DIR=~/.cache/kinference/peers             (one venv per peer; installed when missing)
+#      LOAD_CPUS=, ROUTER_CPUS=   CPU lists for taskset (e.g. LOAD_CPUS=0 ROUTER_CPUS=1): the
+#                            simulator and wrk run on LOAD_CPUS, each router on ROUTER_CPUS, so
+#                            a router does not take CPU from the replicas it fronts, as on a
+#                            machine of its own. Set both or neither.
 set -euo pipefail
 
 case ${1:-} in
@@ -58,6 +62,8 @@ MAX_TOKENS=${MAX_TOKENS:-8}
 TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
 RESULTS=${RESULTS:-$REPO/target/router-latency}
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/kinference/peers}
+LOAD_CPUS=${LOAD_CPUS:-}
+ROUTER_CPUS=${ROUTER_CPUS:-}
 VLLM_ROUTER_VERSION=0.1.17
 SGLANG_ROUTER_VERSION=0.3.2
 MODEL=bench
@@ -105,6 +111,16 @@ command -v python3 >/dev/null || die "python3 is needed (free ports, the results
 [ -f "$TOKENIZER/tokenizer.json" ] || die "no tokenizer.json in $TOKENIZER"
 TOKENIZER=$(cd "$TOKENIZER" && pwd)
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "ROUNDS must be a positive integer"
+PIN_LOAD=()
+PIN_ROUTER=()
+if [ -n "$LOAD_CPUS$ROUTER_CPUS" ]; then
+  [ -n "$LOAD_CPUS" ] && [ -n "$ROUTER_CPUS" ] || die "set both LOAD_CPUS and ROUTER_CPUS, or neither"
+  need_apt taskset util-linux
+  taskset -c "$LOAD_CPUS" true 2>/dev/null || die "LOAD_CPUS=$LOAD_CPUS is not a usable CPU list"
+  taskset -c "$ROUTER_CPUS" true 2>/dev/null || die "ROUTER_CPUS=$ROUTER_CPUS is not a usable CPU list"
+  PIN_LOAD=(taskset -c "$LOAD_CPUS")
+  PIN_ROUTER=(taskset -c "$ROUTER_CPUS")
+fi
 
 # --- kinference
 BIN=${1:-}
@@ -162,6 +178,7 @@ CELLS=$OUT/cells.jsonl
   echo "date: $(date -Is)"
   echo "command: $0 $*"
   echo "env: DURATION=$DURATION WARMUP=$WARMUP ROUNDS=$ROUNDS CONNS=$CONNS PREFIX_CHARS=$PREFIX_CHARS MAX_TOKENS=$MAX_TOKENS"
+  echo "cpus: simulator and wrk ${LOAD_CPUS:-any}, routers ${ROUTER_CPUS:-any}"
   echo "targets: ${RUN_TARGETS[*]}"
   echo "tokenizer: $TOKENIZER"
   echo "binary: $BIN ($("$BIN" --version 2>/dev/null || true))"
@@ -218,7 +235,7 @@ chat_stream_ok() { # BASE_URL
 
 # --- the replicas: one simulator process, 4 replicas on free loopback ports
 log "starting $REPLICAS simulated replicas (tokenizer $TOKENIZER)"
-"$BIN" sim --host 127.0.0.1 --port 0 --replicas "$REPLICAS" --model "$MODEL" --tokenizer "$TOKENIZER" \
+"${PIN_LOAD[@]}" "$BIN" sim --host 127.0.0.1 --port 0 --replicas "$REPLICAS" --model "$MODEL" --tokenizer "$TOKENIZER" \
   --block-size 16 --speedup 100000 \
   --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
   >"$OUT/sim.out" 2>"$OUT/sim.err" &
@@ -259,14 +276,14 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
     kinference)
       port=$(free_port)
       admin=$(free_port)
-      "$BIN" serve --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" --model "$MODEL" \
+      "${PIN_ROUTER[@]}" "$BIN" serve --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" --model "$MODEL" \
         --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" \
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
     vllm-router)
       port=$(free_port)
       prom=$(free_port)
-      "$PEERS_DIR/vllm-router/bin/vllm-router" --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
+      "${PIN_ROUTER[@]}" "$PEERS_DIR/vllm-router/bin/vllm-router" --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
         --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
         --eviction-interval-secs 120 --max-tree-size 33554432 \
         --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warning \
@@ -275,7 +292,7 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
     sglang-router)
       port=$(free_port)
       prom=$(free_port)
-      HF_HUB_OFFLINE=1 "$PEERS_DIR/sglang-router/bin/smg" launch --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
+      HF_HUB_OFFLINE=1 "${PIN_ROUTER[@]}" "$PEERS_DIR/sglang-router/bin/smg" launch --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
         --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
         --eviction-interval-secs 120 --max-tree-size 33554432 \
         --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn \
@@ -305,7 +322,7 @@ cell_json() { # TARGET ROUND PAIR CELL CONNS RAWFILE ROUTER_TICKS SIM_TICKS LOAD
 run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE
   local threads=1
   [ "$2" -ge 2 ] && threads=2
-  wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
+  "${PIN_LOAD[@]}" wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
     "$4" "$MODEL" "$MAX_TOKENS" "$5" "$PREFIX_CHARS" >"$6" 2>&1 ||
     { cat "$6" >&2; die "wrk failed against $1"; }
 }

@@ -79,13 +79,21 @@ impl Default for PreciseConfig {
         // most (the prefix must be stored again elsewhere). Off, ShareGPT at 80 % load went from
         // 54.0 to 62.2 % hit (8 replicas; TTFT p90 317 → 27 ms) and from 49.4 to 58.6 % (4), a
         // KV-bound hot-prefix run from 59.5 to 73.3 % (TTFT p90 20.4 → 11.7 s), and Mooncake
-        // and the hot prefixes did not change (BENCHMARKS.md, "Policy defaults").
+        // and the hot prefixes did not change (BENCHMARKS.md, "Policy defaults"). The
+        // pending-prefill weight went from 0.25 to 0.075 after the KV term was off: a
+        // replica's queued prefill had weighed more than the prefix it holds, so a
+        // conversation left its replica while the replica was busy with someone else's
+        // prompt. Mooncake at 80 % went 24.6 → 26.2 % (8 replicas) and 16.5 → 17.6 % (4),
+        // ShareGPT at 80 % on 4 replicas 58.6 → 60.6 %, the demo 58–69 → 67–69 % over four
+        // runs; the cost is a longer tail under load (Mooncake TTFT p99 5.4 → 5.8 s, hot
+        // prefixes at 80 % p90 24 → 36 ms). 0.05 gained 0.2 points more on Mooncake and lost
+        // 2 points and 2 s of TTFT p90 on the KV-bound run.
         PreciseConfig {
             load_weight_tokens: 256.0,
             fair_share_cap: 2.0,
             fair_share_slack: 4.0,
             offload_credit: 0.5,
-            pending_prefill_weight: 0.25,
+            pending_prefill_weight: 0.075,
             kv_pressure_threshold: 0.9,
             kv_pressure_tokens: 0.0,
             speculative_ttl: Duration::from_secs(2),

@@ -294,6 +294,33 @@ fn a_worker_short_of_kv_memory_keeps_the_prefix_it_holds_unless_pressure_is_pric
 }
 
 #[test]
+fn queued_prefill_moves_a_request_only_when_it_outweighs_the_cached_prefix() {
+    // Each worker has one request of this router in flight; worker 0's is still prefilling
+    // uncached tokens. Worker 0 holds 40 blocks (640 tokens) of this prompt.
+    let h = hashes(1, 44);
+    let mut c = fleet(3);
+    for x in &mut c {
+        x.load.in_flight = 1;
+    }
+    c[0].cache = gpu(40);
+    let pick = |p: &Policy, queued: u64| {
+        let mut c = c.clone();
+        c[0].load.in_flight_prefill_tokens = queued;
+        p.select(&ctx(&h, 0), &c, Duration::ZERO).chosen()
+    };
+    // At the default weight 6,000 queued tokens cost 450 cached tokens' worth: the prefix stays.
+    assert_eq!(pick(&precise(), 6_000), Some(w(0)));
+    // 12,000 cost 900, more than the 640 it would save: the request goes to an idle worker.
+    assert_ne!(pick(&precise(), 12_000), Some(w(0)));
+    // A heavier weight moves the first one too.
+    let heavy = Policy::new(PolicyConfig::Precise(PreciseConfig {
+        pending_prefill_weight: 0.25,
+        ..PreciseConfig::default()
+    }));
+    assert_ne!(pick(&heavy, 6_000), Some(w(0)));
+}
+
+#[test]
 fn offloaded_blocks_count_at_a_discount() {
     let h = hashes(1, 40);
     let mut c = fleet(3);
