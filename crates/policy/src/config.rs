@@ -87,7 +87,7 @@ impl Default for PreciseConfig {
         // ShareGPT at 80 % on 4 replicas 58.6 → 60.6 %, the demo 58–69 → 67–69 % over four
         // runs; the cost is a longer tail under load (Mooncake TTFT p99 5.4 → 5.8 s, hot
         // prefixes at 80 % p90 24 → 36 ms). 0.05 gained 0.2 points more on Mooncake and lost
-        // 2 points and 2 s of TTFT p90 on the KV-bound run.
+        // 1.7 points and 2 s of TTFT p90 on the KV-bound run.
         PreciseConfig {
             load_weight_tokens: 256.0,
             fair_share_cap: 2.0,
