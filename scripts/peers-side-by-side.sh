@@ -41,8 +41,9 @@
 #                             `kinference bench --mode sim --replicas 4 --load 0.8` puts the
 #                             whole trace at 80 % of the fleet's capacity), on replicas of
 #                             1,024,000 KV tokens (PEERS_GPU_BLOCKS defaults to 64000 here) and
-#                             PEERS_SIM_SPEEDUP 2 unless set (the prompts average 12,000 tokens,
-#                             which the router, the replicas and the client all tokenize)
+#                             PEERS_SIM_SPEEDUP 2 unless set (the first 1,200 prompts average
+#                             14,000 tokens, which the router, the replicas and the client all
+#                             tokenize)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
