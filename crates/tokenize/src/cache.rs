@@ -4,10 +4,10 @@
 //! (see the `encoder` module): ends of added tokens and, where the tokenizer allows, word
 //! boundaries (a letter then a space) in plain text, so a plain completions prompt restarts
 //! too. A new text is matched against the entries sharing its first bytes;
-//! with `L` the longest common prefix, tokenization restarts at the last split point `p` with
-//! `p + max_added_len + 4 <= L` (every match decision before `p` reads only shared bytes), so
-//! the result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`. A word
-//! split needs only byte `p` itself shared; it gets the same margin so one rule covers both.
+//! with `L` the longest common prefix, tokenization restarts at the last split point `p` where
+//! every match decision before `p` reads only shared bytes: `p + max_added_len + 4 <= L` after
+//! an added token, `p < L` at a word split (only byte `p` itself, a space, must be shared). The
+//! result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`.
 //!
 //! ```text
 //!  cached:  |<s>system ...<eot>|<s>user ...<eot>|<s>assistant\n|            (turn N)
@@ -277,12 +277,20 @@ fn level_keys(text: &str) -> Vec<u64> {
     keys
 }
 
-/// The last split point whose match decisions read only the shared `lcp` bytes.
+/// The last split point whose match decisions read only the shared `lcp` bytes. A word split
+/// `b` needs only bytes `0..=b` shared (see the `encoder` module), so `b < lcp`; the end `p` of an
+/// added token needs `p + max_added_len + 4 <= lcp`, since matching added tokens at positions
+/// before `p` may read that far ahead. The backward scan passes only added-token ends inside
+/// that margin, so it is short.
 fn restart_point(entry: &Entry, lcp: usize, max_added_len: usize) -> Option<SplitPoint> {
-    let limit = lcp.checked_sub(max_added_len + 4)?;
-    let idx = entry.splits.partition_point(|s| s.byte as usize <= limit);
-    idx.checked_sub(1)
-        .and_then(|i| entry.splits.get(i))
+    let added_limit = lcp.checked_sub(max_added_len + 4);
+    let shared = entry.splits.partition_point(|s| (s.byte as usize) < lcp);
+    entry
+        .splits
+        .get(..shared)?
+        .iter()
+        .rev()
+        .find(|s| s.word || added_limit.is_some_and(|l| s.byte as usize <= l))
         .copied()
 }
 

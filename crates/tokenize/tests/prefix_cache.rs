@@ -173,3 +173,76 @@ fn growing_prompts_equal_full_tokenization() {
         }
     });
 }
+
+/// Prompts that share a cached prompt exactly up to a letter-space boundary, or one or two
+/// bytes past it, then go on with text that could glue onto the shared part ("s", "'s", digits,
+/// an added token, more spaces): the tightest cases of the restart rule, where a word split
+/// point may sit right before the divergence.
+#[test]
+fn prompts_diverging_at_a_word_boundary_equal_full_tokenization() {
+    let convs = sharegpt();
+    let bases: Vec<String> = convs
+        .iter()
+        .flatten()
+        .map(|(_, t)| t)
+        .filter(|t| t.len() >= 1200 && t.is_char_boundary(1200))
+        .take(6)
+        .map(|t| t[..1200].to_string())
+        .collect();
+    assert_eq!(
+        bases.len(),
+        6,
+        "ShareGPT should hold 6 texts of 1,200 bytes"
+    );
+    let tails = [
+        "s and more",
+        "'s own",
+        "12 34",
+        "<|eot_id|>x",
+        "<|im_end|> y",
+        "  two",
+        "\nnew line",
+        "é accent",
+        "-dash",
+        "S capital",
+        " ",
+        "x",
+    ];
+    std::thread::scope(|s| {
+        for (k, name) in ALL_DIRS.iter().enumerate() {
+            let (bases, tails) = (&bases, &tails);
+            s.spawn(move || {
+                let tok = load(name, 32 << 20);
+                let mut rng = ChaCha8Rng::seed_from_u64(3000 + k as u64);
+                let mut checks = 0;
+                for (case, base) in bases.iter().cycle().take(150).enumerate() {
+                    // A first line no other case has: the cached `base` is the only match.
+                    let base = format!("Case {case}.\n{base}");
+                    tok.encode_text(&base, false).unwrap();
+                    let b = base.as_bytes();
+                    let spaces: Vec<usize> = (300..b.len())
+                        .filter(|&i| b[i] == b' ' && b[i - 1].is_ascii_alphabetic())
+                        .collect();
+                    let at = spaces[rng.gen_range(0..spaces.len())];
+                    let cut = at + rng.gen_range(0..3);
+                    let cut = if base.is_char_boundary(cut) { cut } else { at };
+                    let tail = tails[rng.gen_range(0..tails.len())];
+                    let prompt = format!("{}{tail}", &base[..cut]);
+                    let want = tok.encode_uncached(&prompt, false).unwrap();
+                    let got = tok.encode_text(&prompt, false).unwrap();
+                    assert!(
+                        got == want,
+                        "{name}: cached ids differ for a prompt cut at byte {cut} + {tail:?}"
+                    );
+                    checks += 1;
+                }
+                let stats = tok.cache_stats();
+                // Word splits are the restart points under test wherever the tokenizer has them.
+                if !name.starts_with("mistral") {
+                    assert!(stats.word_split_hits >= 100, "{name}: {stats:?}");
+                }
+                println!("{name}: {checks} checks, {stats:?}");
+            });
+        }
+    });
+}
