@@ -5,7 +5,7 @@
 //!  targets[0] ──connect refused / 503 head──▶ targets[1] ──▶ ... (max_attempts)
 //!      │ response head
 //!      ▼
-//!  UpstreamBody: frame ──▶ client   (then: usage scan, prefill release, idle timer reset)
+//!  UpstreamBody: frame ──▶ client   (then: usage scan, prefill release, idle deadline moved)
 //!      ├─ end of body   → metrics, in-flight guard dropped
 //!      ├─ upstream error / idle / total timeout → SSE error event (streams) or reset
 //!      └─ dropped early (client gone) → upstream connection dropped, guard dropped
@@ -240,10 +240,12 @@ fn respond(
         .is_some_and(|v| v.starts_with("text/event-stream"))
         && !headers.contains_key(header::CONTENT_LENGTH);
     let timeouts = &fleet.settings.timeouts;
+    let idle_deadline = Instant::now() + timeouts.idle();
     let body = UpstreamBody {
         inner: incoming,
         guard: Some(guard),
-        idle: Box::pin(tokio::time::sleep(timeouts.idle())),
+        idle: Box::pin(tokio::time::sleep_until(idle_deadline)),
+        idle_deadline,
         idle_after: timeouts.idle(),
         total: timeouts
             .total()
@@ -292,7 +294,10 @@ impl Observer {
 struct UpstreamBody {
     inner: LinkBody,
     guard: Option<InFlight>,
+    /// Fires at or before `idle_deadline`; re-armed to it only when it fires early.
     idle: Pin<Box<Sleep>>,
+    /// When the response has gone `idle_after` without data.
+    idle_deadline: Instant,
     idle_after: Duration,
     total: Option<Pin<Box<Sleep>>>,
     scanner: Option<UsageScanner>,
@@ -404,8 +409,9 @@ impl http_body::Body for UpstreamBody {
                         s.feed(data);
                     }
                 }
-                let deadline = Instant::now() + this.idle_after;
-                this.idle.as_mut().reset(deadline);
+                // Only noted here: resetting a timer per frame re-registers it with the runtime's
+                // timer wheel (and wakes the driver), a cost on every response.
+                this.idle_deadline = Instant::now() + this.idle_after;
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => this.fail("stream", error_chain(&e)),
@@ -414,9 +420,14 @@ impl http_body::Body for UpstreamBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.idle.as_mut().poll(cx).is_ready() {
-                    let ms = this.idle_after.as_millis();
-                    return this.fail("idle_timeout", format!("no data for {ms} ms"));
+                while this.idle.as_mut().poll(cx).is_ready() {
+                    if Instant::now() >= this.idle_deadline {
+                        let ms = this.idle_after.as_millis();
+                        return this.fail("idle_timeout", format!("no data for {ms} ms"));
+                    }
+                    // Data came since the timer was set: wait out the rest of the new period.
+                    let deadline = this.idle_deadline;
+                    this.idle.as_mut().reset(deadline);
                 }
                 Poll::Pending
             }

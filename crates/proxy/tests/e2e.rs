@@ -1137,6 +1137,56 @@ async fn a_503_head_moves_the_request_to_the_next_replica() {
     proxy.shutdown().await;
 }
 
+/// A stream that keeps sending, in gaps well under the idle timeout, for longer than one idle
+/// period in all: the idle timer set at the start fires mid-stream and must be re-armed, not
+/// end the stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_keeps_sending_outlives_the_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    const CHUNKS: usize = 8;
+    let event = "data: {\"choices\":[{\"text\":\" the\"}]}\n\n";
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                let _ = sock.read(&mut buf).await;
+                let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                            transfer-encoding: chunked\r\n\r\n";
+                let _ = sock.write_all(head.as_bytes()).await;
+                for _ in 0..CHUNKS {
+                    let chunk = format!("{:x}\r\n{event}\r\n", event.len());
+                    let _ = sock.write_all(chunk.as_bytes()).await;
+                    // The replica's pacing (what is being tested), not a wait for a result.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                let _ = sock.write_all(b"0\r\n\r\n").await;
+            });
+        }
+    });
+    let mut cfg = config(vec![pool(
+        vec![ReplicaSpec::new(&url(addr))],
+        precise(2000),
+    )]);
+    cfg.scrape.interval_ms = 0;
+    cfg.timeouts.idle_ms = 400;
+    let proxy = router(cfg).await;
+    let mut body = completion("hello", 100);
+    body["stream"] = json!(true);
+    let r = tokio::time::timeout(WAIT, post(proxy.data_addr(), "/v1/completions", &body))
+        .await
+        .expect("hung");
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.body,
+        event.repeat(CHUNKS),
+        "the stream was cut or changed"
+    );
+    wait_idle(&proxy).await;
+    proxy.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_goes_silent_ends_with_an_error_event() {
     let event = "data: {\"choices\":[{\"text\":\" the\"}]}\n\n";
