@@ -41,9 +41,20 @@ local function make_prefix(k, chars)
   return table.concat(parts, " ")
 end
 
+-- WRK_ADDRS=host:port,host:port,...: thread i talks to address i (round-robin), so one wrk
+-- run can spread its connections over several replicas (wrk itself takes a single URL).
 local counter = 1
 function setup(thread)
   thread:set("tid", counter)
+  local list = os.getenv("WRK_ADDRS")
+  if list and list ~= "" then
+    local hosts = {}
+    for h in string.gmatch(list, "[^,]+") do
+      hosts[#hosts + 1] = h
+    end
+    local host, port = hosts[((counter - 1) % #hosts) + 1]:match("^(.*):(%d+)$")
+    thread.addr = wrk.lookup(host, port)[1]
+  end
   counter = counter + 1
 end
 

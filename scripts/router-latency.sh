@@ -11,9 +11,16 @@
 #   c1      /v1/completions, not streamed, 1 connection
 #   c32     /v1/completions, not streamed, 32 connections (2 wrk threads)
 #   chat1   /v1/chat/completions, streamed (SSE), 1 connection
+# and direct has a fourth, c32all: the same 32 connections spread over all 4 replicas (4 wrk
+# threads, one replica each). The routers spread their load the same way, and the simulator
+# spends more CPU per request on 4 replicas with 8 requests each than on one with 32, so
+# c32all is the baseline that leaves only the router's own cost in the ratio.
 # Targets: direct (replica 0 alone: wrk talks to one address, so the 32-connection baseline is
 # one replica of the same simulator process), kinference (`kinference serve --policy precise`),
-# vllm-router and sglang-router (`--policy cache_aware`, the thresholds of ../shared/spec/peers.md).
+# vllm-router and sglang-router (`--policy cache_aware`, the thresholds of ../shared/spec/peers.md),
+# and nginx (Debian's, round-robin over the 4 replicas with upstream keep-alive, no buffering,
+# TCP_NODELAY): an HTTP hop with no routing logic at all, the floor any L7 router is judged
+# against on the same host.
 # Direct is measured again just before each router, and each router's ratios use that baseline.
 # Before its cells each target gets a 32-connection warm-up (not recorded), which also fills the
 # routers' prefix trees and kinference's index. CPU per request is a process tree's utime+stime
@@ -29,7 +36,7 @@
 # env: DURATION=10s          wrk duration of each measured cell
 #      WARMUP=3s             wrk warm-up per target (32 connections)
 #      ROUNDS=1              repeat all targets this many times (each round restarts the routers)
-#      TARGETS=direct,kinference,vllm-router,sglang-router
+#      TARGETS=direct,kinference,vllm-router,sglang-router,nginx
 #      CONNS=32              connections of the throughput cell
 #      PREFIX_CHARS=4000     length of each shared prefix
 #      MAX_TOKENS=8
@@ -55,7 +62,7 @@ LUA=$HERE/router-latency.lua
 DURATION=${DURATION:-10s}
 WARMUP=${WARMUP:-3s}
 ROUNDS=${ROUNDS:-1}
-TARGETS=${TARGETS:-direct,kinference,vllm-router,sglang-router}
+TARGETS=${TARGETS:-direct,kinference,vllm-router,sglang-router,nginx}
 CONNS=${CONNS:-32}
 PREFIX_CHARS=${PREFIX_CHARS:-4000}
 MAX_TOKENS=${MAX_TOKENS:-8}
@@ -165,7 +172,13 @@ for t in "${WANTED[@]}"; do
     direct | kinference) RUN_TARGETS+=("$t") ;;
     vllm-router) ensure_peer vllm-router vllm-router "$VLLM_ROUTER_VERSION" vllm-router && RUN_TARGETS+=("$t") ;;
     sglang-router) ensure_peer sglang-router sglang-router "$SGLANG_ROUTER_VERSION" smg && RUN_TARGETS+=("$t") ;;
-    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router)" ;;
+    nginx)
+      # Debian puts it in /usr/sbin, which a user's PATH may lack; a failed install skips it.
+      NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true)
+      if [ -z "$NGINX" ] && (need_apt nginx nginx); then NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true); fi
+      if [ -n "$NGINX" ]; then RUN_TARGETS+=("$t"); else log "skipping nginx: not installed"; fi
+      ;;
+    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router, nginx)" ;;
   esac
 done
 
@@ -187,6 +200,7 @@ CELLS=$OUT/cells.jsonl
   echo "wrk: $(wrk -v 2>&1 | head -1)"
   echo "vllm-router: $(peer_version "$PEERS_DIR/vllm-router" vllm-router || echo none)"
   echo "sglang-router: $(peer_version "$PEERS_DIR/sglang-router" sglang-router || echo none)"
+  echo "nginx: $({ [ -n "${NGINX:-}" ] && "$NGINX" -v 2>&1; } || echo none)"
   echo "loadavg at start: $(cat /proc/loadavg)"
 } >"$OUT/machine.txt"
 log "results in $OUT"
@@ -263,6 +277,49 @@ done
 chat_stream_ok "${URLS[0]}" || die "replica ${URLS[0]} does not stream /v1/chat/completions"
 log "replicas: ${URLS[*]}"
 
+# nginx as a plain HTTP hop: workers on the router's CPUs, keep-alive both ways (no request
+# limit per connection, as the routers have none), nothing buffered, TCP_NODELAY.
+nginx_conf() { # DIR PORT
+  local dir=$1 port=$2 workers u servers=""
+  mkdir -p "$dir/tmp"
+  workers=$("${PIN_ROUTER[@]}" nproc)
+  for u in "${URLS[@]}"; do servers+="    server ${u#http://};"$'\n'; done
+  cat >"$dir/nginx.conf" <<NGINXEOF
+daemon off;
+master_process on;
+worker_processes $workers;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $dir/tmp/body;
+  proxy_temp_path $dir/tmp/proxy;
+  fastcgi_temp_path $dir/tmp/fastcgi;
+  uwsgi_temp_path $dir/tmp/uwsgi;
+  scgi_temp_path $dir/tmp/scgi;
+  client_max_body_size 64m;
+  client_body_buffer_size 1m;
+  keepalive_requests 100000000;
+  upstream replicas {
+$servers    keepalive 256;
+    keepalive_requests 100000000;
+  }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://replicas;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      tcp_nodelay on;
+    }
+  }
+}
+NGINXEOF
+}
+
 # --- targets
 ROUTER_PID=""
 start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
@@ -298,6 +355,12 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
         --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn \
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
+    nginx)
+      port=$(free_port)
+      nginx_conf "$OUT/nginx.r$round" "$port"
+      "${PIN_ROUTER[@]}" "$NGINX" -p "$OUT/nginx.r$round" -c "$OUT/nginx.r$round/nginx.conf" \
+        -e "$OUT/nginx.r$round/error.log" >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
+      ;;
   esac
   ROUTER_PID=$!
   PIDS+=("$ROUTER_PID")
@@ -319,22 +382,23 @@ cell_json() { # TARGET ROUND PAIR CELL CONNS RAWFILE ROUTER_TICKS SIM_TICKS LOAD
     "$1" "$2" "$3" "$4" "$5" "$7" "$8" "$CLK_TCK" "$9" "$res"
 }
 
-run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE
+run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE [ADDRS]
   local threads=1
   [ "$2" -ge 2 ] && threads=2
-  "${PIN_LOAD[@]}" wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
+  [ -n "${7:-}" ] && threads=$REPLICAS
+  WRK_ADDRS=${7:-} "${PIN_LOAD[@]}" wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
     "$4" "$MODEL" "$MAX_TOKENS" "$5" "$PREFIX_CHARS" >"$6" 2>&1 ||
     { cat "$6" >&2; die "wrk failed against $1"; }
 }
 
-run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE
-  local t=$1 round=$2 pair=$3 prefix=$4 cell=$5 conns=$6 mode=$7 raw r0 s0 r1 s1 load
+run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
+  local t=$1 round=$2 pair=$3 prefix=$4 cell=$5 conns=$6 mode=$7 addrs=${8:-} raw r0 s0 r1 s1 load
   raw=$prefix.$cell.txt
   load=$(cut -d' ' -f1 /proc/loadavg)
   r0=0 r1=0
   [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
   s0=$(proc_ticks "$SIM_PID")
-  run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw"
+  run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw" "$addrs"
   [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID")
   s1=$(proc_ticks "$SIM_PID")
   cell_json "$t" "$round" "$pair" "$cell" "$conns" "$raw" $(( r1 - r0 )) $(( s1 - s0 )) "$load" >>"$CELLS"
@@ -359,6 +423,9 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
   run_cell "$t" "$round" "$pair" "$prefix" c1 1 completions
   run_cell "$t" "$round" "$pair" "$prefix" c32 "$CONNS" completions
   run_cell "$t" "$round" "$pair" "$prefix" chat1 1 chat-stream
+  if [ "$t" = direct ]; then
+    run_cell "$t" "$round" "$pair" "$prefix" c32all "$CONNS" completions "$(printf '%s\n' "${URLS[@]#http://}" | paste -sd,)"
+  fi
   if [ "$t" = direct ] && [ "$(awk '$1 == "50%" {print ($2 ~ /ms$/ && $2 + 0 > 20) ? 1 : 0; exit}' "$prefix.chat1.txt")" = 1 ]; then
     log "warning: streamed chat straight to a replica takes over 20 ms at p50: the backend stalls (no TCP_NODELAY?), so the streaming column measures the backend, not the routers"
   fi
@@ -420,6 +487,7 @@ def metrics(t, rnd, pair):
     g = lambda c: by.get((t, rnd, pair, c))
     c1, c32, ch = g("c1"), g("c32"), g("chat1")
     d1, d32 = by.get(("direct", rnd, pair, "c1")), by.get(("direct", rnd, pair, "c32"))
+    d32all = by.get(("direct", rnd, pair, "c32all"))
     m = {}
     if c1:
         m["c1_p50"] = c1["wrk"]["p50_us"] / 1000
@@ -433,9 +501,16 @@ def metrics(t, rnd, pair):
         m["c32_p99"] = c32["wrk"]["p99_us"] / 1000
         if d32 and t != "direct":
             m["vs_direct"] = 100.0 * rps(c32) / rps(d32)
+        if d32all and t != "direct":
+            m["vs_all"] = 100.0 * rps(c32) / rps(d32all)
         if t != "direct":
             m["cpu"] = cpu_ms(c32)
         m["sim_cpu"] = cpu_ms(c32, "sim_ticks")
+    if t == "direct":
+        a = g("c32all")
+        if a:
+            m["c32_rps_all"] = rps(a)
+            m["sim_cpu_all"] = cpu_ms(a, "sim_ticks")
     if ch:
         m["ch_p50"] = ch["wrk"]["p50_us"] / 1000
         m["ch_p99"] = ch["wrk"]["p99_us"] / 1000
@@ -447,9 +522,12 @@ COLS = [
     ("added", "added p50 vs direct", "ms+"), ("c1_rps", "req/s", "int"),
     ("c32_rps", f"{conns} conns req/s", "int"), ("vs_direct", "% of direct", "pct"),
     ("c32_p50", "p50", "ms"), ("c32_p99", "p99", "ms"),
+    ("c32_rps_all", f"direct, {conns} conns over all replicas, req/s", "int"),
+    ("vs_all", "% of direct over all replicas", "pct"),
     ("ch_p50", "streaming chat 1 conn p50", "ms"), ("ch_p99", "p99", "ms"),
     ("cpu", f"router CPU per request ({conns} conns)", "ms"),
     ("sim_cpu", "replicas' CPU per request", "ms"),
+    ("sim_cpu_all", "the same, direct over all replicas", "ms"),
 ]
 
 def fmt(v, kind):
