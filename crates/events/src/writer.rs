@@ -4,6 +4,8 @@
 //! channel) and are applied in that order; health fields derived from the index (entries held,
 //! applied sequence, sync state after a clear) are published only after the update is applied,
 //! and a sync change is honoured only if its stale epoch is still the worker's current one.
+//! The index lock is never held while a health channel is written: readers may take the index
+//! lock while they hold a health borrow.
 
 use std::sync::Arc;
 
@@ -89,19 +91,30 @@ impl Writer {
     }
 
     fn apply_all(&self, buf: &mut Vec<Envelope>) {
-        let mut acks = Vec::new();
+        // Health is published after the index lock is released: a reader may hold a health
+        // borrow (a `wait_for` predicate, say) while it takes the index's read lock, and
+        // taking the health lock under the index's write lock would deadlock with it.
+        let mut applied = Vec::with_capacity(buf.len());
         {
             let mut index = self.index.write();
             for env in buf.drain(..) {
                 apply_one(&mut index, &env);
-                if let Some(health) = &env.health {
-                    publish(&index, &env, health);
-                }
-                acks.extend(env.ack);
+                let entries = env
+                    .health
+                    .is_some()
+                    .then(|| index.worker_entries(env.worker));
+                applied.push((env, entries));
             }
         }
-        for ack in acks {
-            let _ = ack.send(());
+        for (env, entries) in &applied {
+            if let (Some(health), Some(entries)) = (&env.health, entries) {
+                publish(*entries, env, health);
+            }
+        }
+        for (env, _) in applied {
+            if let Some(ack) = env.ack {
+                let _ = ack.send(());
+            }
         }
     }
 }
@@ -124,8 +137,7 @@ fn apply_one(index: &mut Index, env: &Envelope) {
     }
 }
 
-fn publish(index: &Index, env: &Envelope, health: &watch::Sender<WorkerHealth>) {
-    let entries = index.worker_entries(env.worker);
+fn publish(entries: usize, env: &Envelope, health: &watch::Sender<WorkerHealth>) {
     health.send_modify(|h| {
         h.entries = entries;
         if let Some(Update::Batch { seq, .. }) = &env.update {
@@ -141,4 +153,66 @@ fn publish(index: &Index, env: &Envelope, health: &watch::Sender<WorkerHealth>) 
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use std::time::{Duration, Instant};
+
+    use kinference_index::ReplicaId;
+    use kinference_vllm::DpRank;
+
+    use super::*;
+    use crate::testing::stored;
+
+    /// A reader holding a health borrow (as a `wait_for` predicate does) while it reads the
+    /// index must not deadlock with the writer publishing that health: the writer has to let
+    /// go of the index before it takes the health lock.
+    #[test]
+    fn an_index_read_under_a_health_borrow_does_not_wait_for_the_writer() {
+        let worker = WorkerId::new(ReplicaId(1), DpRank(0));
+        let index = Arc::new(RwLock::new(Index::new()));
+        let (health, rx) = watch::channel(WorkerHealth::new(worker, "tcp://x:1".into()));
+        let (_tx, chan) = mpsc::channel(1);
+        let writer = Writer {
+            index: index.clone(),
+            rx: chan,
+            batch_max: 8,
+            pause: Arc::default(),
+            cancel: CancellationToken::new(),
+        };
+        let mut env = Envelope::new(
+            worker,
+            Some(Update::Batch {
+                seq: 1,
+                batch: stored(&[11, 12, 13], None),
+            }),
+        );
+        env.health = Some(Arc::new(health));
+
+        let held = rx.borrow();
+        let applying = std::thread::spawn(move || writer.apply_all(&mut vec![env]));
+        // Under the borrow: the batch must become readable. With the index lock held across
+        // the health update it never does, and the deadline fails the test instead of hanging.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let entries = loop {
+            if let Some(idx) = index.try_read_for(Duration::from_millis(100)) {
+                if idx.worker_entries(worker) > 0 {
+                    break idx.worker_entries(worker);
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the writer kept the index locked while waiting for the health borrow"
+            );
+            std::thread::yield_now();
+        };
+        drop(held);
+        applying.join().unwrap();
+        assert_eq!(entries, 3);
+        assert_eq!(rx.borrow().entries, 3, "health published after the lock");
+        assert_eq!(rx.borrow().applied_seq, Some(1));
+    }
 }
