@@ -1137,6 +1137,24 @@ async fn a_503_head_moves_the_request_to_the_next_replica() {
     proxy.shutdown().await;
 }
 
+/// Streams one completion through a router whose only replica is `replica`, with the given
+/// idle timeout; returns the router (to drain and stop) and the reply.
+async fn stream_through(replica: SocketAddr, idle_ms: u64) -> (Proxy, Reply) {
+    let mut cfg = config(vec![pool(
+        vec![ReplicaSpec::new(&url(replica))],
+        precise(2000),
+    )]);
+    cfg.scrape.interval_ms = 0;
+    cfg.timeouts.idle_ms = idle_ms;
+    let proxy = router(cfg).await;
+    let mut body = completion("hello", 100);
+    body["stream"] = json!(true);
+    let r = tokio::time::timeout(WAIT, post(proxy.data_addr(), "/v1/completions", &body))
+        .await
+        .expect("hung");
+    (proxy, r)
+}
+
 /// A stream that keeps sending, in gaps well under the idle timeout, for longer than one idle
 /// period in all: the idle timer set at the start fires mid-stream and must be re-armed, not
 /// end the stream.
@@ -1165,18 +1183,7 @@ async fn a_stream_that_keeps_sending_outlives_the_idle_timeout() {
             });
         }
     });
-    let mut cfg = config(vec![pool(
-        vec![ReplicaSpec::new(&url(addr))],
-        precise(2000),
-    )]);
-    cfg.scrape.interval_ms = 0;
-    cfg.timeouts.idle_ms = 400;
-    let proxy = router(cfg).await;
-    let mut body = completion("hello", 100);
-    body["stream"] = json!(true);
-    let r = tokio::time::timeout(WAIT, post(proxy.data_addr(), "/v1/completions", &body))
-        .await
-        .expect("hung");
+    let (proxy, r) = stream_through(addr, 400).await;
     assert_eq!(r.status, 200);
     assert_eq!(
         r.body,
@@ -1194,18 +1201,7 @@ async fn a_stream_that_goes_silent_ends_with_an_error_event() {
         "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
     let response = format!("{head}{:x}\r\n{event}\r\n", event.len()).into_bytes();
     let silent = fake_replica(response, true).await;
-    let mut cfg = config(vec![pool(
-        vec![ReplicaSpec::new(&url(silent))],
-        precise(2000),
-    )]);
-    cfg.scrape.interval_ms = 0;
-    cfg.timeouts.idle_ms = 300;
-    let proxy = router(cfg).await;
-    let mut body = completion("hello", 100);
-    body["stream"] = json!(true);
-    let r = tokio::time::timeout(WAIT, post(proxy.data_addr(), "/v1/completions", &body))
-        .await
-        .expect("hung");
+    let (proxy, r) = stream_through(silent, 300).await;
     assert_eq!(r.status, 200);
     let events: Vec<&str> = r.body.split("\n\n").filter(|e| !e.is_empty()).collect();
     assert_eq!(events.len(), 2, "{}", r.body);
