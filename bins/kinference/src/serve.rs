@@ -122,13 +122,13 @@ impl ServeArgs {
         for r in &self.replicas {
             match ReplicaSpec::from_flag(r) {
                 Ok(spec) => replicas.push(spec),
-                Err(e) => problems.push(e),
+                Err(e) => problems.push(e.to_string()),
             }
         }
         let policy = match self.policy.as_deref().map(parse_policy).transpose() {
             Ok(p) => p,
             Err(e) => {
-                problems.push(e);
+                problems.push(e.to_string());
                 None
             }
         };

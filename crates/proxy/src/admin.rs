@@ -11,19 +11,15 @@ use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use kinference_events::SyncState;
 use prometheus_client::registry::Registry;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 
-use crate::api::{
-    EventStreamStatus, Health, PoolReady, PoolStatus, ReadyResponse, ReplicaStatus,
-    ReplicasResponse, WorkerStatus,
-};
+use crate::body::read_body;
+use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
-use crate::route::{self, Api};
-use crate::server::read_body;
+use crate::snapshot;
 
 /// What the admin handlers share.
 #[derive(Debug)]
@@ -56,29 +52,8 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-/// Ready when every pool has at least one replica that answered its last scrape or request.
-pub(crate) fn readiness(fleet: &Fleet) -> ReadyResponse {
-    let pools: Vec<PoolReady> = fleet
-        .pools
-        .iter()
-        .map(|p| PoolReady {
-            name: p.name.clone(),
-            healthy_replicas: p
-                .replicas
-                .iter()
-                .filter(|r| r.health() == Health::Up)
-                .count(),
-            replicas: p.replicas.len(),
-        })
-        .collect();
-    ReadyResponse {
-        ready: pools.iter().all(|p| p.healthy_replicas > 0),
-        pools,
-    }
-}
-
 async fn readyz(State(s): State<Arc<AdminState>>) -> Response {
-    let r = readiness(&s.fleet);
+    let r = snapshot::take(&s.fleet).readiness();
     let status = if r.ready {
         StatusCode::OK
     } else {
@@ -115,103 +90,12 @@ async fn explain(State(s): State<Arc<AdminState>>, req: Request) -> Response {
             }
         }
     };
-    match route::prepare(&s.fleet, api, &body, &parts.headers, true) {
-        Ok(p) => json_response(StatusCode::OK, &route::explain(&s.fleet, api, &p)),
+    match decide::prepare(&s.fleet, api, &body, &parts.headers, true) {
+        Ok(p) => json_response(StatusCode::OK, &decide::explain(&s.fleet, api, &p)),
         Err(e) => e.into_response(),
     }
 }
 
 async fn replicas(State(s): State<Arc<AdminState>>) -> Response {
-    json_response(StatusCode::OK, &snapshot(&s.fleet))
-}
-
-pub(crate) fn sync_name(s: SyncState) -> &'static str {
-    match s {
-        SyncState::Connecting => "connecting",
-        SyncState::Synced => "synced",
-        SyncState::Resynced => "resynced",
-        SyncState::Stale => "stale",
-    }
-}
-
-/// The state of every pool and replica now.
-pub(crate) fn snapshot(fleet: &Fleet) -> ReplicasResponse {
-    let now = tokio::time::Instant::now();
-    let pools = fleet
-        .pools
-        .iter()
-        .map(|pool| {
-            let plane = pool.plane();
-            let (index_entries, index_blocks) = pool.index_size();
-            let replicas = pool
-                .replicas
-                .iter()
-                .map(|r| {
-                    let workers = (0..r.dp_size())
-                        .map(|rank| {
-                            let worker = r.worker(rank);
-                            let h = plane.as_ref().and_then(|p| p.health(worker));
-                            WorkerStatus {
-                                rank: rank as u32,
-                                worker: worker.to_string(),
-                                load: r.workers[rank].snapshot(),
-                                index_entries: pool.index.read().worker_entries(worker),
-                                events: h.map(|h| EventStreamStatus {
-                                    endpoint: h.endpoint.clone(),
-                                    local_endpoint: h.local_endpoint.clone(),
-                                    connected: h.connected,
-                                    sync: sync_name(h.sync).to_owned(),
-                                    last_seq: h.last_seq,
-                                    applied_seq: h.applied_seq,
-                                    messages: h.messages,
-                                    batches_applied: h.batches_applied,
-                                    gaps: h.gaps,
-                                    replays_attempted: h.replays_attempted,
-                                    replays_succeeded: h.replays_succeeded,
-                                    replayed_batches: h.replayed_batches,
-                                    unrecoverable_gaps: h.unrecoverable_gaps,
-                                    resets: h.resets,
-                                    decode_errors: h.decode_errors,
-                                    socket_errors: h.socket_errors,
-                                    last_event_age_ms: h
-                                        .last_event_age(now)
-                                        .map(|d| d.as_millis() as u64),
-                                    stored_block_size: h.stored_block_size,
-                                    root_hashes_match: crate::scrape::roots_match(&pool.hasher, &h),
-                                }),
-                            }
-                        })
-                        .collect();
-                    let info = r.info.lock();
-                    ReplicaStatus {
-                        url: r.url.clone(),
-                        id: r.id.to_string(),
-                        dp_ranks: r.dp_size() as u32,
-                        health: r.health(),
-                        last_error: info.last_error.clone(),
-                        scorable: r.is_scorable(),
-                        unscorable_reason: info.unscorable_reason.clone(),
-                        cache_config: info.cache_config.clone(),
-                        events_mode: r.events_mode.to_owned(),
-                        events_error: info.events_error.clone(),
-                        prefix_cache_hits: info.prefix_cache_hits,
-                        prefix_cache_queries: info.prefix_cache_queries,
-                        workers,
-                    }
-                })
-                .collect();
-            PoolStatus {
-                name: pool.name.clone(),
-                models: pool.models.clone(),
-                block_size: pool.block_size,
-                hash_algo: pool.hasher.algo().as_str().to_owned(),
-                policy: pool.policy_name.to_owned(),
-                index_entries,
-                index_blocks,
-                tracked_entries: pool.tracked_entries(),
-                replicas,
-            }
-        })
-        .collect();
-    ReplicasResponse { pools }
+    json_response(StatusCode::OK, &snapshot::take(&s.fleet))
 }

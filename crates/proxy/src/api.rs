@@ -80,6 +80,26 @@ pub struct ReplicasResponse {
     pub pools: Vec<PoolStatus>,
 }
 
+impl ReplicasResponse {
+    /// What `/readyz` answers for this state: ready when every pool has at least one replica
+    /// that answered its last scrape or request.
+    pub fn readiness(&self) -> ReadyResponse {
+        let pools: Vec<PoolReady> = self
+            .pools
+            .iter()
+            .map(|p| PoolReady {
+                name: p.name.clone(),
+                healthy_replicas: p.replicas.iter().filter(|r| r.health == Health::Up).count(),
+                replicas: p.replicas.len(),
+            })
+            .collect();
+        ReadyResponse {
+            ready: pools.iter().all(|p| p.healthy_replicas > 0),
+            pools,
+        }
+    }
+}
+
 /// One pool in a [`ReplicasResponse`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PoolStatus {

@@ -14,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
+use http::uri::Authority;
+use http::HeaderName;
 use kinference_policy::PolicyConfig;
 use kinference_vllm::{BlockHasher, ExtraKeysFormat, HashAlgo};
 use serde::de::DeserializeOwned;
@@ -229,37 +231,39 @@ impl PoolConfig {
             .or_else(|| self.models.first().cloned())
             .unwrap_or_default()
     }
-
-    /// The block hasher for this pool's settings.
-    pub fn hasher(&self) -> Result<BlockHasher, String> {
-        let algo = HashAlgo::from_str(&self.hash_algo).map_err(|e| e.to_string())?;
-        let format =
-            ExtraKeysFormat::from_str(&self.extra_keys_format).map_err(|e| e.to_string())?;
-        let block_size = usize::try_from(self.block_size).map_err(|e| e.to_string())?;
-        BlockHasher::new(algo, block_size, self.hash_seed.as_deref(), format)
-            .map_err(|e| e.to_string())
-    }
 }
 
 /// A policy from a flag: a bare name (`precise`, `round-robin`, ...) or the YAML of the
 /// `policy:` setting (`{kind: precise, load_weight_tokens: 512}`).
-pub fn parse_policy(text: &str) -> Result<PolicyConfig, String> {
+pub fn parse_policy(text: &str) -> Result<PolicyConfig, PolicyFlagError> {
     if let Some(p) = PolicyConfig::from_name(text.trim()) {
         return Ok(p);
     }
-    let p: PolicyConfig = serde_yaml_ng::from_str(text).map_err(|e| {
-        format!("policy {text:?}: expected precise, approximate, round-robin, least-load, session-affinity or a YAML mapping ({e})")
+    let p: PolicyConfig = serde_yaml_ng::from_str(text).map_err(|e| PolicyFlagError::Syntax {
+        text: text.to_owned(),
+        reason: e.to_string(),
     })?;
     let errs = p.validate();
     if errs.is_empty() {
         Ok(p)
     } else {
-        Err(errs
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; "))
+        Err(PolicyFlagError::Invalid(
+            errs.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("; "),
+        ))
     }
+}
+
+/// Why a `--policy` value is not a policy.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyFlagError {
+    #[error("policy {text:?}: expected precise, approximate, round-robin, least-load, session-affinity or a YAML mapping ({reason})")]
+    Syntax { text: String, reason: String },
+    /// The mapping parsed, but some values are out of range (every one listed).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 /// One vLLM replica (one API server, possibly several DP ranks).
@@ -293,11 +297,15 @@ impl ReplicaSpec {
 
     /// Parses the `--replica` flag: `URL[,events=tcp://H:P|discover][,bind=tcp://H:P]`
     /// `[,replay=tcp://H:P][,topic=T][,dp=N]`.
-    pub fn from_flag(flag: &str) -> Result<Self, String> {
+    pub fn from_flag(flag: &str) -> Result<Self, ReplicaFlagError> {
+        let bad = |problem: String| ReplicaFlagError {
+            flag: flag.to_owned(),
+            problem,
+        };
         let mut parts = flag.split(',');
         let url = parts.next().unwrap_or_default().trim();
         if url.is_empty() {
-            return Err(format!("--replica {flag:?}: the URL comes first"));
+            return Err(bad("the URL comes first".to_owned()));
         }
         let mut spec = ReplicaSpec::new(url);
         let mut events = EventsSpec::default();
@@ -305,7 +313,7 @@ impl ReplicaSpec {
         for part in parts {
             let (key, value) = part
                 .split_once('=')
-                .ok_or_else(|| format!("--replica {flag:?}: expected key=value, got {part:?}"))?;
+                .ok_or_else(|| bad(format!("expected key=value, got {part:?}")))?;
             let value = value.trim().to_owned();
             match key.trim() {
                 "events" if value == "discover" => events.discover = true,
@@ -316,13 +324,13 @@ impl ReplicaSpec {
                 "dp" | "dp_ranks" => {
                     spec.dp_ranks = value
                         .parse()
-                        .map_err(|_| format!("--replica {flag:?}: dp must be a number"))?;
+                        .map_err(|_| bad("dp must be a number".to_owned()))?;
                     continue;
                 }
                 other => {
-                    return Err(format!(
-                    "--replica {flag:?}: unknown key {other:?} (events, bind, replay, topic, dp)"
-                ))
+                    return Err(bad(format!(
+                        "unknown key {other:?} (events, bind, replay, topic, dp)"
+                    )))
                 }
             }
             any_events = true;
@@ -332,6 +340,14 @@ impl ReplicaSpec {
         }
         Ok(spec)
     }
+}
+
+/// Why a `--replica` flag does not describe a replica.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("--replica {flag:?}: {problem}")]
+pub struct ReplicaFlagError {
+    pub flag: String,
+    pub problem: String,
 }
 
 /// How to reach a replica's KV-event stream (vLLM's `--kv-events-config`).
@@ -367,15 +383,24 @@ pub enum EventSource {
 
 impl EventsSpec {
     /// The one source the spec names, or why it does not name exactly one.
-    pub fn source(&self) -> Result<EventSource, String> {
+    pub fn source(&self) -> Result<EventSource, EventSourceError> {
         match (&self.connect, &self.bind, self.discover) {
             (Some(c), None, false) => Ok(EventSource::Connect(c.clone())),
             (None, Some(b), false) => Ok(EventSource::Bind(b.clone())),
             (None, None, true) => Ok(EventSource::Discover),
-            (None, None, false) => Err("name one of connect, bind or discover".to_owned()),
-            _ => Err("name only one of connect, bind or discover".to_owned()),
+            (None, None, false) => Err(EventSourceError::None),
+            _ => Err(EventSourceError::Several),
         }
     }
+}
+
+/// Why an [`EventsSpec`] does not name exactly one source.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EventSourceError {
+    #[error("name one of connect, bind or discover")]
+    None,
+    #[error("name only one of connect, bind or discover")]
+    Several,
 }
 
 /// One problem in the configuration; `path` locates it (`pools[0].replicas[1].url`).
@@ -494,19 +519,58 @@ impl Config {
 
     /// [`Config::validate`] as a `Result`.
     pub fn check(&self) -> Result<(), ConfigErrors> {
-        let errs = self.validate();
-        if errs.is_empty() {
-            Ok(())
-        } else {
-            Err(ConfigErrors(errs))
-        }
+        self.resolve().map(drop)
     }
 
     /// Every bad value, not just the first.
     pub fn validate(&self) -> Vec<ConfigError> {
+        self.resolve().err().map(|e| e.0).unwrap_or_default()
+    }
+
+    /// Validates every value and returns the ones the router runs on in their parsed types:
+    /// each string that names something is parsed here and nowhere else.
+    pub(crate) fn resolve(&self) -> Result<Resolved, ConfigErrors> {
         let mut errs = Errors(Vec::new());
-        let listen = check_addr(&self.listen, "listen", &mut errs);
-        let admin = check_addr(&self.admin, "admin", &mut errs);
+        self.validate_top(&mut errs);
+        let mut names = BTreeSet::new();
+        let mut models: BTreeMap<String, String> = BTreeMap::new();
+        let mut pools = Vec::with_capacity(self.pools.len());
+        for (i, pool) in self.pools.iter().enumerate() {
+            let path = format!("pools[{i}]");
+            let name = pool.display_name();
+            if name.is_empty() {
+                errs.push(&path, "a pool needs a name or at least one model");
+            } else if !names.insert(name.clone()) {
+                errs.push(
+                    format!("{path}.name"),
+                    format!("pool `{name}` is defined twice"),
+                );
+            }
+            let served = pool.models.iter().chain(pool.lora_adapters.keys());
+            for m in served {
+                if m.is_empty() {
+                    errs.push(format!("{path}.models"), "model names cannot be empty");
+                } else if let Some(other) = models.insert(m.clone(), name.clone()) {
+                    errs.push(
+                        format!("{path}.models"),
+                        format!("model `{m}` is already served by pool `{other}`"),
+                    );
+                }
+            }
+            if let Some(p) = resolve_pool(pool, &path, &mut errs) {
+                pools.push(p);
+            }
+        }
+        if errs.0.is_empty() {
+            Ok(Resolved { pools })
+        } else {
+            Err(ConfigErrors(errs.0))
+        }
+    }
+
+    fn validate_top(&self, errs: &mut Errors) {
+        let listen = check_addr(&self.listen, "listen", errs);
+        let admin = check_addr(&self.admin, "admin", errs);
         if let (Some(l), Some(a)) = (listen, admin) {
             if l == a && l.port() != 0 {
                 errs.push("admin", "must differ from `listen`");
@@ -538,34 +602,85 @@ impl Config {
         if self.pools.is_empty() {
             errs.push("pools", "at least one pool is needed");
         }
-        let mut names = BTreeSet::new();
-        let mut models: BTreeMap<String, String> = BTreeMap::new();
-        for (i, pool) in self.pools.iter().enumerate() {
-            let path = format!("pools[{i}]");
-            let name = pool.display_name();
-            if name.is_empty() {
-                errs.push(&path, "a pool needs a name or at least one model");
-            } else if !names.insert(name.clone()) {
-                errs.push(
-                    format!("{path}.name"),
-                    format!("pool `{name}` is defined twice"),
-                );
-            }
-            let served = pool.models.iter().chain(pool.lora_adapters.keys());
-            for m in served {
-                if m.is_empty() {
-                    errs.push(format!("{path}.models"), "model names cannot be empty");
-                } else if let Some(other) = models.insert(m.clone(), name.clone()) {
-                    errs.push(
-                        format!("{path}.models"),
-                        format!("model `{m}` is already served by pool `{other}`"),
-                    );
-                }
-            }
-            validate_pool(pool, &path, &mut errs);
-        }
-        errs.0
     }
+}
+
+/// A validated configuration's values in the types the router runs on, pool by pool in the
+/// order of [`Config::pools`].
+#[derive(Debug)]
+pub(crate) struct Resolved {
+    pub pools: Vec<ResolvedPool>,
+}
+
+/// One pool's parsed values.
+#[derive(Debug)]
+pub(crate) struct ResolvedPool {
+    pub hasher: BlockHasher,
+    pub session_header: Option<HeaderName>,
+    /// In the order of [`PoolConfig::replicas`].
+    pub replicas: Vec<ResolvedReplica>,
+}
+
+/// One replica's parsed values.
+#[derive(Debug)]
+pub(crate) struct ResolvedReplica {
+    pub endpoint: Endpoint,
+    pub events: Option<EventSource>,
+}
+
+/// A replica's base URL, parsed: the authority the upstream client dials and the path prefix
+/// put before every forwarded path.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Endpoint {
+    /// The URL as configured, without a trailing `/`.
+    pub url: String,
+    pub authority: Authority,
+    /// Path prefix of the base URL (empty or `/something`).
+    pub prefix: String,
+}
+
+impl Endpoint {
+    pub fn parse(url: &str) -> Result<Endpoint, UrlError> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| UrlError::Invalid {
+                url: url.to_owned(),
+                reason: e.to_string(),
+            })?;
+        let owned = || url.to_owned();
+        match uri.scheme_str() {
+            Some("http") => {}
+            Some("https") => return Err(UrlError::Https(owned())),
+            _ => return Err(UrlError::Scheme(owned())),
+        }
+        let authority = uri
+            .authority()
+            .cloned()
+            .ok_or_else(|| UrlError::NoHost(owned()))?;
+        if authority.port_u16().is_none() {
+            return Err(UrlError::NoPort(owned()));
+        }
+        Ok(Endpoint {
+            url: url.trim_end_matches('/').to_owned(),
+            authority,
+            prefix: uri.path().trim_end_matches('/').to_owned(),
+        })
+    }
+}
+
+/// Why a replica URL cannot be used.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum UrlError {
+    #[error("{url:?} is not a URL: {reason}")]
+    Invalid { url: String, reason: String },
+    #[error("{0}: https upstreams are not supported; terminate TLS in front of the replica")]
+    Https(String),
+    #[error("{0:?} must start with http://")]
+    Scheme(String),
+    #[error("{0:?} has no host")]
+    NoHost(String),
+    #[error("{0:?} needs a port (vLLM serves on 8000 by default)")]
+    NoPort(String),
 }
 
 fn typed<T: DeserializeOwned>(v: Value, path: &str, errs: &mut Errors) -> Option<T> {
@@ -615,7 +730,8 @@ fn check_addr(v: &str, path: &str, errs: &mut Errors) -> Option<SocketAddr> {
     }
 }
 
-fn validate_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) {
+fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<ResolvedPool> {
+    let before = errs.0.len();
     if pool.models.is_empty() {
         errs.push(format!("{path}.models"), "at least one model is needed");
     }
@@ -625,39 +741,20 @@ fn validate_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) {
             format!("{} has no tokenizer.json", pool.tokenizer.display()),
         );
     }
-    if pool.block_size == 0 {
-        errs.push(format!("{path}.block_size"), "must be > 0");
-    }
-    let algo_ok = match HashAlgo::from_str(&pool.hash_algo) {
-        Ok(_) => true,
-        Err(e) => {
-            errs.push(format!("{path}.hash_algo"), e.to_string());
-            false
-        }
-    };
-    let format_ok = match ExtraKeysFormat::from_str(&pool.extra_keys_format) {
-        Ok(_) => true,
-        Err(e) => {
-            errs.push(format!("{path}.extra_keys_format"), e.to_string());
-            false
-        }
-    };
-    if algo_ok && format_ok && pool.block_size > 0 {
-        if let Err(e) = pool.hasher() {
-            errs.push(format!("{path}.hash_seed"), e);
-        }
-    }
+    let hasher = resolve_hasher(pool, path, errs);
     for e in pool.policy.validate() {
         errs.push(format!("{path}.policy.{}", e.field), e.problem);
     }
-    if let Some(h) = &pool.session_header {
-        if http::HeaderName::from_bytes(h.as_bytes()).is_err() {
-            errs.push(
-                format!("{path}.session_header"),
-                format!("{h:?} is not a header name"),
-            );
-        }
-    }
+    let session_header = pool.session_header.as_ref().and_then(|h| {
+        HeaderName::from_bytes(h.as_bytes())
+            .map_err(|_| {
+                errs.push(
+                    format!("{path}.session_header"),
+                    format!("{h:?} is not a header name"),
+                )
+            })
+            .ok()
+    });
     for (name, lora_path) in &pool.lora_adapters {
         if lora_path.is_empty() {
             errs.push(
@@ -670,68 +767,92 @@ fn validate_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) {
         errs.push(format!("{path}.replicas"), "at least one replica is needed");
     }
     let mut urls = BTreeSet::new();
+    let mut replicas = Vec::with_capacity(pool.replicas.len());
     for (j, r) in pool.replicas.iter().enumerate() {
         let rpath = format!("{path}.replicas[{j}]");
-        validate_replica(r, &rpath, errs);
-        if !urls.insert(r.url.trim_end_matches('/').to_owned()) {
-            errs.push(format!("{rpath}.url"), format!("{} is listed twice", r.url));
+        if let Some(r) = resolve_replica(r, &rpath, errs) {
+            if !urls.insert(r.endpoint.url.clone()) {
+                errs.push(
+                    format!("{rpath}.url"),
+                    format!("{} is listed twice", pool.replicas[j].url),
+                );
+            }
+            replicas.push(r);
         }
     }
+    let hasher = hasher?;
+    (errs.0.len() == before).then_some(ResolvedPool {
+        hasher,
+        session_header,
+        replicas,
+    })
 }
 
-/// A replica's base URL split into scheme-less parts: (authority, path prefix).
-pub(crate) fn split_url(url: &str) -> Result<(http::uri::Authority, String), String> {
-    let uri: http::Uri = url
-        .parse()
-        .map_err(|e| format!("{url:?} is not a URL: {e}"))?;
-    match uri.scheme_str() {
-        Some("http") => {}
-        Some("https") => {
-            return Err(format!(
-                "{url}: https upstreams are not supported; terminate TLS in front of the replica"
-            ))
-        }
-        _ => return Err(format!("{url:?} must start with http://")),
+/// The pool's hasher; each bad hash setting is reported at its own path.
+fn resolve_hasher(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<BlockHasher> {
+    if pool.block_size == 0 {
+        errs.push(format!("{path}.block_size"), "must be > 0");
     }
-    let authority = uri
-        .authority()
-        .cloned()
-        .ok_or_else(|| format!("{url:?} has no host"))?;
-    if authority.port_u16().is_none() {
-        return Err(format!(
-            "{url:?} needs a port (vLLM serves on 8000 by default)"
-        ));
+    let algo = HashAlgo::from_str(&pool.hash_algo)
+        .map_err(|e| errs.push(format!("{path}.hash_algo"), e.to_string()))
+        .ok();
+    let format = ExtraKeysFormat::from_str(&pool.extra_keys_format)
+        .map_err(|e| errs.push(format!("{path}.extra_keys_format"), e.to_string()))
+        .ok();
+    let (algo, format) = (algo?, format?);
+    if pool.block_size == 0 {
+        return None;
     }
-    let prefix = uri.path().trim_end_matches('/').to_owned();
-    Ok((authority, prefix))
+    BlockHasher::new(
+        algo,
+        pool.block_size as usize,
+        pool.hash_seed.as_deref(),
+        format,
+    )
+    .map_err(|e| errs.push(format!("{path}.hash_seed"), e.to_string()))
+    .ok()
 }
 
-fn validate_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) {
-    if let Err(e) = split_url(&r.url) {
-        errs.push(format!("{path}.url"), e);
-    }
+fn resolve_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) -> Option<ResolvedReplica> {
+    let before = errs.0.len();
+    let endpoint = Endpoint::parse(&r.url)
+        .map_err(|e| errs.push(format!("{path}.url"), e.to_string()))
+        .ok();
     if r.dp_ranks == 0 || r.dp_ranks > 1024 {
         errs.push(format!("{path}.dp_ranks"), "must be within 1..=1024");
     }
-    let Some(ev) = &r.events else { return };
-    let epath = format!("{path}.events");
-    match ev.source() {
-        Err(e) => errs.push(&epath, e),
-        Ok(EventSource::Discover) => {
-            if ev.replay.is_some() {
-                errs.push(
-                    format!("{epath}.replay"),
-                    "comes from the replica with `discover`; leave it out",
-                );
-            }
-        }
-        Ok(EventSource::Connect(ep) | EventSource::Bind(ep)) => {
-            check_endpoint(&ep, r.dp_ranks, &epath, errs);
+    let events = r
+        .events
+        .as_ref()
+        .and_then(|ev| resolve_events(ev, r.dp_ranks, &format!("{path}.events"), errs));
+    let endpoint = endpoint?;
+    (errs.0.len() == before).then_some(ResolvedReplica { endpoint, events })
+}
+
+fn resolve_events(
+    ev: &EventsSpec,
+    dp_ranks: u32,
+    path: &str,
+    errs: &mut Errors,
+) -> Option<EventSource> {
+    let source = ev
+        .source()
+        .map_err(|e| errs.push(path, e.to_string()))
+        .ok()?;
+    match &source {
+        EventSource::Connect(ep) | EventSource::Bind(ep) => {
+            check_endpoint(ep, dp_ranks, path, errs);
             if let Some(rep) = &ev.replay {
-                check_endpoint(rep, r.dp_ranks, &format!("{epath}.replay"), errs);
+                check_endpoint(rep, dp_ranks, &format!("{path}.replay"), errs);
             }
         }
+        EventSource::Discover if ev.replay.is_some() => errs.push(
+            format!("{path}.replay"),
+            "comes from the replica with `discover`; leave it out",
+        ),
+        EventSource::Discover => {}
     }
+    Some(source)
 }
 
 fn check_endpoint(ep: &str, dp_ranks: u32, path: &str, errs: &mut Errors) {

@@ -15,6 +15,7 @@ use kinference_vllm::DpRank;
 use serde::Deserialize;
 
 use crate::fleet::{Fleet, Replica};
+use crate::upstream::GetError;
 
 /// One rank's entry of `/kv_event_sources`.
 #[derive(Clone, Debug, Deserialize)]
@@ -66,39 +67,38 @@ async fn discover_once(
     fleet: &Fleet,
     plane: &EventPlane,
     replica: &Replica,
-) -> Result<usize, String> {
+) -> Result<usize, DiscoveryError> {
     let (status, body) = fleet
         .upstream
         .get(
-            replica,
+            &replica.endpoint,
             "/kv_event_sources",
             fleet.settings.scrape_timeout,
             1 << 20,
         )
         .await?;
     if !status.is_success() {
-        return Err(format!("/kv_event_sources answered {status}"));
+        return Err(DiscoveryError::Status(status));
     }
     let sources: std::collections::BTreeMap<String, Source> =
-        serde_json::from_slice(&body).map_err(|e| format!("/kv_event_sources: {e}"))?;
-    let host = replica.authority.host();
+        serde_json::from_slice(&body).map_err(|e| DiscoveryError::Json(e.to_string()))?;
+    let host = replica.endpoint.authority.host();
     let mut added = 0;
     let single = replica.dp_size() == 1 && sources.len() == 1;
     for (key, src) in &sources {
         if !src.enable_kv_cache_events {
             continue;
         }
-        let reported: u32 = key
-            .parse()
-            .map_err(|_| format!("/kv_event_sources: rank {key:?} is not a number"))?;
+        let reported: u32 = key.parse().map_err(|_| DiscoveryError::Rank(key.clone()))?;
         // A single-rank replica serving global rank r (external DP load balancing) is worker 0
         // here, and its endpoints are its own (no offset to undo).
         let (rank, offset) = if single { (0, 0) } else { (reported, reported) };
         if rank as usize >= replica.dp_size() {
-            tracing::warn!(replica = %replica.url, rank, "event source for a rank beyond dp_ranks; ignored");
+            tracing::warn!(replica = %replica.url(), rank, "event source for a rank beyond dp_ranks; ignored");
             continue;
         }
-        let (bind, base) = resolve(&src.endpoint, offset, host)?;
+        let (bind, base) =
+            resolve(&src.endpoint, offset, host).map_err(DiscoveryError::Endpoint)?;
         let mut wc = if bind {
             WorkerConfig::bind(replica.id, DpRank(rank), &base)
         } else {
@@ -107,14 +107,32 @@ async fn discover_once(
         let topic = src.topic.clone().unwrap_or_else(|| replica.topic.clone());
         wc = wc.with_topic(&topic);
         if let Some(rep) = &src.replay_endpoint {
-            wc = wc.with_replay(&replay_base(rep, offset, host)?);
+            let base = replay_base(rep, offset, host).map_err(DiscoveryError::Endpoint)?;
+            wc = wc.with_replay(&base);
         }
         match plane.add_worker(wc).await {
             Ok(_) | Err(kinference_events::EventsError::DuplicateWorker(_)) => added += 1,
-            Err(e) => return Err(e.to_string()),
+            Err(e) => return Err(DiscoveryError::Subscribe(e)),
         }
     }
     Ok(added)
+}
+
+/// Why one discovery attempt failed (it is retried).
+#[derive(Debug, thiserror::Error)]
+enum DiscoveryError {
+    #[error(transparent)]
+    Get(#[from] GetError),
+    #[error("/kv_event_sources answered {0}")]
+    Status(http::StatusCode),
+    #[error("/kv_event_sources: {0}")]
+    Json(String),
+    #[error("/kv_event_sources: rank {0:?} is not a number")]
+    Rank(String),
+    #[error("{0}")]
+    Endpoint(String),
+    #[error(transparent)]
+    Subscribe(kinference_events::EventsError),
 }
 
 /// Retries discovery with capped backoff until the replica answers; aborted at shutdown.
@@ -125,14 +143,14 @@ pub(crate) async fn run(fleet: Arc<Fleet>, pool: usize, replica: Arc<Replica>) {
         let Some(plane) = plane else { return };
         match discover_once(&fleet, &plane, &replica).await {
             Ok(n) => {
-                tracing::info!(replica = %replica.url, ranks = n, "KV-event sources discovered");
+                tracing::info!(replica = %replica.url(), ranks = n, "KV-event sources discovered");
                 replica.info.lock().events_error = None;
                 fleet.bump();
                 return;
             }
             Err(e) => {
-                tracing::debug!(replica = %replica.url, error = %e, "KV-event discovery failed; retrying");
-                replica.info.lock().events_error = Some(e);
+                tracing::debug!(replica = %replica.url(), error = %e, "KV-event discovery failed; retrying");
+                replica.info.lock().events_error = Some(e.to_string());
                 fleet.bump();
             }
         }

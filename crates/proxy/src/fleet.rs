@@ -4,7 +4,7 @@
 //! ```text
 //!  Fleet ─┬─ Pool (tokenizer, hasher, Mutex<Policy>, index handle, EventPlane)
 //!         │    └─ Replica (URL, health, scorable) ── WorkerLoad per DP rank (atomics)
-//!         └─ watch<u64> "changed": bumped on every load/health change (tests and waiters)
+//!         └─ watch<u64> "changed": bumped on load/health changes while anyone waits on it
 //! ```
 //!
 //! Invariants:
@@ -21,18 +21,20 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::uri::Authority;
 use http::HeaderName;
 use kinference_events::{EventPlane, EventPlaneConfig, ReplicaConfig, WorkerConfig};
 use kinference_index::{Index, ReplicaId, WorkerId};
-use kinference_policy::{Candidate, Load, Policy};
+use kinference_policy::{Load, Policy};
 use kinference_tokenize::{Tokenizer, TokenizerOptions};
-use kinference_vllm::{BlockHash, BlockHasher, DpRank, Lora};
+use kinference_vllm::{BlockHasher, DpRank, Lora};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
 use crate::api::{CacheConfigStatus, Health, LoadStatus};
-use crate::config::{split_url, Config, ConfigError, ConfigErrors, EventSource, Timeouts};
+use crate::config::{
+    Config, Endpoint, EventSource, PoolConfig, ReplicaSpec, Resolved, ResolvedPool,
+    ResolvedReplica, Timeouts,
+};
 use crate::error::{RequestError, StartError};
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
@@ -89,6 +91,7 @@ impl Fleet {
         }
     }
 
+    /// Tells waiters ([`crate::Proxy::wait_until`]) that the state changed.
     pub fn bump(&self) {
         bump(&self.changed);
     }
@@ -104,8 +107,12 @@ impl Fleet {
     }
 }
 
+/// Bumps the generation only while someone waits on it: the request path calls this three
+/// times per request, and nothing but tests and tools wait.
 fn bump(changed: &watch::Sender<u64>) {
-    changed.send_modify(|g| *g = g.wrapping_add(1));
+    if changed.receiver_count() > 0 {
+        changed.send_modify(|g| *g = g.wrapping_add(1));
+    }
 }
 
 /// One pool: interchangeable replicas with one tokenizer and one hash space.
@@ -158,36 +165,6 @@ impl Pool {
     pub fn tracked_entries(&self) -> usize {
         self.policy.lock().tracked_entries()
     }
-
-    /// The workers a request may go to, with their load and cached prefix: every worker of
-    /// every replica not known to be down (all of them if every one is down, so that a request
-    /// still gets a chance rather than an instant 503 on a stale health mark).
-    pub fn candidates(&self, hashes: &[BlockHash]) -> Vec<Candidate> {
-        let matches = (self.uses_index && !hashes.is_empty())
-            .then(|| self.index.read().longest_prefix(hashes));
-        let all_down = self.replicas.iter().all(|r| r.health() == Health::Down);
-        let mut out = Vec::with_capacity(self.replicas.len());
-        for r in &self.replicas {
-            if !all_down && r.health() == Health::Down {
-                continue;
-            }
-            let scorable = r.is_scorable();
-            for (rank, w) in r.workers.iter().enumerate() {
-                let worker = r.worker(rank);
-                let cache = matches
-                    .as_ref()
-                    .and_then(|m| m.get(worker))
-                    .unwrap_or_default();
-                out.push(Candidate {
-                    worker,
-                    load: w.load(),
-                    cache,
-                    scorable,
-                });
-            }
-        }
-        out
-    }
 }
 
 /// Health as stored in an atomic.
@@ -210,10 +187,7 @@ pub(crate) struct ReplicaInfo {
 #[derive(Debug)]
 pub(crate) struct Replica {
     pub id: ReplicaId,
-    pub url: String,
-    pub authority: Authority,
-    /// Path prefix of the base URL (empty or `/something`).
-    pub prefix: String,
+    pub endpoint: Endpoint,
     pub workers: Vec<WorkerLoad>,
     pub events_mode: &'static str,
     /// The event spec's topic, for discovery.
@@ -224,6 +198,34 @@ pub(crate) struct Replica {
 }
 
 impl Replica {
+    fn new(id: ReplicaId, spec: &ReplicaSpec, resolved: &ResolvedReplica) -> Self {
+        let events_mode = match &resolved.events {
+            None => "none",
+            Some(EventSource::Connect(_)) => "connect",
+            Some(EventSource::Bind(_)) => "bind",
+            Some(EventSource::Discover) => "discover",
+        };
+        Replica {
+            id,
+            endpoint: resolved.endpoint.clone(),
+            workers: (0..spec.dp_ranks).map(|_| WorkerLoad::default()).collect(),
+            events_mode,
+            topic: spec
+                .events
+                .as_ref()
+                .map(|e| e.topic.clone())
+                .unwrap_or_default(),
+            health: AtomicU8::new(UNKNOWN),
+            scorable: AtomicBool::new(true),
+            info: Mutex::new(ReplicaInfo::default()),
+        }
+    }
+
+    /// The base URL, as configured (without a trailing `/`).
+    pub fn url(&self) -> &str {
+        &self.endpoint.url
+    }
+
     pub fn worker(&self, rank: usize) -> WorkerId {
         WorkerId::new(self.id, DpRank(rank as u32))
     }
@@ -364,14 +366,11 @@ pub(crate) struct Discovery {
     pub replica: Arc<Replica>,
 }
 
-fn config_error(path: String, message: String) -> StartError {
-    StartError::Config(ConfigErrors(vec![ConfigError { path, message }]))
-}
-
-/// Builds the fleet from a validated configuration: loads tokenizers, starts one event plane
-/// per pool, and subscribes to every explicitly configured event stream.
+/// Builds the fleet from a configuration and its resolved values: loads tokenizers, starts one
+/// event plane per pool, and subscribes to every explicitly configured event stream.
 pub(crate) async fn build(
     cfg: &Config,
+    resolved: Resolved,
     metrics: Metrics,
     upstream: Upstream,
 ) -> Result<(Fleet, Vec<Discovery>), StartError> {
@@ -379,102 +378,7 @@ pub(crate) async fn build(
     let mut models = HashMap::new();
     let mut discoveries = Vec::new();
     let mut next_id = 0u32;
-    for (pi, pc) in cfg.pools.iter().enumerate() {
-        let name = pc.display_name();
-        let options = TokenizerOptions {
-            cache_capacity_bytes: pc.tokenizer_cache_bytes,
-            ..TokenizerOptions::default()
-        };
-        let tokenizer = Tokenizer::from_dir_with(&pc.tokenizer, options).map_err(|source| {
-            StartError::Tokenizer {
-                pool: name.clone(),
-                dir: pc.tokenizer.display().to_string(),
-                source,
-            }
-        })?;
-        let hasher = pc
-            .hasher()
-            .map_err(|e| config_error(format!("pools[{pi}]"), e))?;
-        let session_header =
-            match &pc.session_header {
-                Some(h) => Some(HeaderName::from_bytes(h.as_bytes()).map_err(|e| {
-                    config_error(format!("pools[{pi}].session_header"), e.to_string())
-                })?),
-                None => None,
-            };
-        let plane = EventPlane::start(EventPlaneConfig::default()).map_err(|source| {
-            StartError::Events {
-                pool: name.clone(),
-                source,
-            }
-        })?;
-        let mut replicas = Vec::new();
-        for (ri, rc) in pc.replicas.iter().enumerate() {
-            let (authority, prefix) = split_url(&rc.url)
-                .map_err(|e| config_error(format!("pools[{pi}].replicas[{ri}].url"), e))?;
-            let id = ReplicaId(next_id);
-            next_id += 1;
-            let source =
-                match &rc.events {
-                    None => None,
-                    Some(ev) => Some(ev.source().map_err(|e| {
-                        config_error(format!("pools[{pi}].replicas[{ri}].events"), e)
-                    })?),
-                };
-            let events_mode = match &source {
-                None => "none",
-                Some(EventSource::Connect(_)) => "connect",
-                Some(EventSource::Bind(_)) => "bind",
-                Some(EventSource::Discover) => "discover",
-            };
-            let topic = rc
-                .events
-                .as_ref()
-                .map(|e| e.topic.clone())
-                .unwrap_or_default();
-            let replica = Arc::new(Replica {
-                id,
-                url: rc.url.trim_end_matches('/').to_owned(),
-                authority,
-                prefix,
-                workers: (0..rc.dp_ranks).map(|_| WorkerLoad::default()).collect(),
-                events_mode,
-                topic: topic.clone(),
-                health: AtomicU8::new(UNKNOWN),
-                scorable: AtomicBool::new(true),
-                info: Mutex::new(ReplicaInfo::default()),
-            });
-            let base = match &source {
-                Some(EventSource::Connect(a)) => Some(WorkerConfig::connect(id, DpRank(0), a)),
-                Some(EventSource::Bind(a)) => Some(WorkerConfig::bind(id, DpRank(0), a)),
-                Some(EventSource::Discover) => {
-                    discoveries.push(Discovery {
-                        pool: pi,
-                        replica: replica.clone(),
-                    });
-                    None
-                }
-                None => None,
-            };
-            if let Some(mut base) = base {
-                base = base.with_topic(&topic);
-                if let Some(rep) = rc.events.as_ref().and_then(|e| e.replay.as_deref()) {
-                    base = base.with_replay(rep);
-                }
-                let rcfg = ReplicaConfig {
-                    base,
-                    dp_size: rc.dp_ranks,
-                };
-                plane
-                    .add_replica(rcfg)
-                    .await
-                    .map_err(|source| StartError::Events {
-                        pool: name.clone(),
-                        source,
-                    })?;
-            }
-            replicas.push(replica);
-        }
+    for (pi, (pc, rp)) in cfg.pools.iter().zip(resolved.pools).enumerate() {
         for m in &pc.models {
             models.insert(m.clone(), (pi, None));
         }
@@ -485,27 +389,13 @@ pub(crate) async fn build(
             };
             models.insert(n.clone(), (pi, Some(lora)));
         }
-        let policy = Policy::new(pc.policy.clone());
-        pools.push(Arc::new(Pool {
-            name,
-            models: pc
-                .models
-                .iter()
-                .chain(pc.lora_adapters.keys())
-                .cloned()
-                .collect(),
-            tokenizer,
-            hasher,
-            block_size: pc.block_size,
-            policy_name: policy.name(),
-            uses_index: policy.uses_index(),
-            policy: Mutex::new(policy),
-            session_header,
-            index: plane.index(),
-            plane: Mutex::new(Some(Arc::new(plane))),
-            replicas,
-            tickets: AtomicU64::new(0),
-        }));
+        let pool = build_pool(pc, rp, &mut next_id).await?;
+        discoveries.extend(
+            pool.discover
+                .into_iter()
+                .map(|replica| Discovery { pool: pi, replica }),
+        );
+        pools.push(Arc::new(pool.pool));
     }
     let (changed, _) = watch::channel(0u64);
     let settings = Settings {
@@ -527,4 +417,84 @@ pub(crate) async fn build(
         settings,
     };
     Ok((fleet, discoveries))
+}
+
+/// A pool and the replicas of it whose event endpoints are to be discovered.
+struct Built {
+    pool: Pool,
+    discover: Vec<Arc<Replica>>,
+}
+
+async fn build_pool(
+    pc: &PoolConfig,
+    rp: ResolvedPool,
+    next_id: &mut u32,
+) -> Result<Built, StartError> {
+    let name = pc.display_name();
+    let options = TokenizerOptions {
+        cache_capacity_bytes: pc.tokenizer_cache_bytes,
+        ..TokenizerOptions::default()
+    };
+    let tokenizer = Tokenizer::from_dir_with(&pc.tokenizer, options).map_err(|source| {
+        StartError::Tokenizer {
+            pool: name.clone(),
+            dir: pc.tokenizer.display().to_string(),
+            source,
+        }
+    })?;
+    let events_error = |source| StartError::Events {
+        pool: name.clone(),
+        source,
+    };
+    let plane = EventPlane::start(EventPlaneConfig::default()).map_err(events_error)?;
+    let mut replicas = Vec::with_capacity(rp.replicas.len());
+    let mut discover = Vec::new();
+    for (spec, rr) in pc.replicas.iter().zip(rp.replicas) {
+        let id = ReplicaId(*next_id);
+        *next_id += 1;
+        let replica = Arc::new(Replica::new(id, spec, &rr));
+        let base = match &rr.events {
+            None => None,
+            Some(EventSource::Discover) => {
+                discover.push(replica.clone());
+                None
+            }
+            Some(EventSource::Connect(a)) => Some(WorkerConfig::connect(id, DpRank(0), a)),
+            Some(EventSource::Bind(a)) => Some(WorkerConfig::bind(id, DpRank(0), a)),
+        };
+        if let Some(base) = base {
+            let mut base = base.with_topic(&replica.topic);
+            if let Some(rep) = spec.events.as_ref().and_then(|e| e.replay.as_deref()) {
+                base = base.with_replay(rep);
+            }
+            let rcfg = ReplicaConfig {
+                base,
+                dp_size: spec.dp_ranks,
+            };
+            plane.add_replica(rcfg).await.map_err(events_error)?;
+        }
+        replicas.push(replica);
+    }
+    let policy = Policy::new(pc.policy.clone());
+    let pool = Pool {
+        name: name.clone(),
+        models: pc
+            .models
+            .iter()
+            .chain(pc.lora_adapters.keys())
+            .cloned()
+            .collect(),
+        tokenizer,
+        hasher: rp.hasher,
+        block_size: pc.block_size,
+        policy_name: policy.name(),
+        uses_index: policy.uses_index(),
+        policy: Mutex::new(policy),
+        session_header: rp.session_header,
+        index: plane.index(),
+        plane: Mutex::new(Some(Arc::new(plane))),
+        replicas,
+        tickets: AtomicU64::new(0),
+    };
+    Ok(Built { pool, discover })
 }

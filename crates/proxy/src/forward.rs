@@ -24,13 +24,14 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
+use crate::decide::Target;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
 use crate::link::LinkBody;
@@ -40,24 +41,12 @@ use crate::usage::UsageScanner;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// One replica (and DP rank) to try.
-#[derive(Debug)]
-pub(crate) struct Target {
-    pub replica: Arc<Replica>,
-    pub rank: usize,
-    /// Send `X-data-parallel-rank` (the replica has several ranks and the policy chose one).
-    pub pin_rank: bool,
-    /// Prompt tokens the policy expects this worker to serve from cache.
-    pub predicted_cached: u32,
-}
-
 /// What a forwarded request carries besides its targets.
 #[derive(Debug)]
 pub(crate) struct Forward {
+    /// The `route` metric label.
     pub route: &'static str,
-    /// The pool, for routed requests (usage and prefill accounting).
-    pub pool: Option<String>,
-    pub prompt_tokens: u32,
+    pub accounting: Accounting,
     pub method: Method,
     pub path_and_query: String,
     pub headers: HeaderMap,
@@ -65,48 +54,49 @@ pub(crate) struct Forward {
     pub start: Instant,
 }
 
-/// Records a response the router answered itself.
-pub(crate) fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> Response {
-    let status = err.status();
-    if status.is_server_error() {
-        tracing::warn!(route, error = %err, "request failed");
-    } else {
-        tracing::debug!(route, error = %err, "request refused");
+/// How a forwarded request is accounted.
+#[derive(Debug)]
+pub(crate) enum Accounting {
+    /// Placed by the pool's policy: its prompt's uncached tokens count as prefill in flight
+    /// until the first byte, and the cached tokens the replica reports are compared with the
+    /// prediction.
+    Routed { pool: String, prompt_tokens: u32 },
+    /// Passed through by load: nothing predicted, nothing to compare.
+    Passthrough,
+}
+
+impl Accounting {
+    fn pool(&self) -> Option<&str> {
+        match self {
+            Accounting::Routed { pool, .. } => Some(pool),
+            Accounting::Passthrough => None,
+        }
     }
-    fleet
-        .metrics
-        .router_errors
-        .get_or_create(&crate::metrics::KindLabel { kind: err.label() })
-        .inc();
-    fleet
-        .metrics
-        .requests
-        .get_or_create(&RequestLabels {
-            route,
-            replica: String::new(),
-            status: status.as_u16(),
-        })
-        .inc();
-    err.into_response()
+
+    /// Predicted uncached prompt tokens for a target.
+    fn prefill(&self, t: &Target) -> u64 {
+        match self {
+            Accounting::Routed { prompt_tokens, .. } => {
+                u64::from(prompt_tokens.saturating_sub(t.predicted_cached))
+            }
+            Accounting::Passthrough => 0,
+        }
+    }
 }
 
 /// Sends the request to the first target that takes it; the index of that target comes back
-/// with the response (`None` when the router answered).
+/// with the response. An error is for the caller to answer: nothing reached the client.
 pub(crate) async fn forward(
     fleet: &Arc<Fleet>,
     upstream: &Upstream,
     req: Forward,
     targets: &[Target],
-) -> (Response, Option<usize>) {
+) -> Result<(Response, usize), RequestError> {
     let settings = &fleet.settings;
     let attempts = targets.len().min(settings.max_attempts.max(1) as usize);
     let mut failures: Vec<String> = Vec::new();
     for (i, t) in targets.iter().take(attempts).enumerate() {
-        let prefill = if req.pool.is_some() {
-            u64::from(req.prompt_tokens.saturating_sub(t.predicted_cached))
-        } else {
-            0
-        };
+        let prefill = req.accounting.prefill(t);
         let guard = InFlight::new(t.replica.clone(), t.rank, prefill, fleet.changed.clone());
         let rank = t.pin_rank.then_some(t.rank);
         let upstream_req = match build_request(
@@ -114,74 +104,71 @@ pub(crate) async fn forward(
             &req.path_and_query,
             &req.headers,
             req.body.clone(),
-            &t.replica,
+            &t.replica.endpoint,
             rank,
         ) {
             Ok(r) => r,
             Err(e) => {
-                failures.push(format!("{}: {e}", t.replica.url));
+                failures.push(format!("{}: {e}", t.replica.url()));
                 continue;
             }
         };
         let first_byte = settings.timeouts.first_byte();
-        let sent = tokio::time::timeout(first_byte, upstream.send(&t.replica, upstream_req)).await;
+        let sent =
+            tokio::time::timeout(first_byte, upstream.send(&t.replica.endpoint, upstream_req))
+                .await;
         let more = i + 1 < attempts;
         match sent {
             Err(_) => {
                 fail_count(fleet, &t.replica, "first_byte_timeout");
-                let err = RequestError::Timeout {
-                    replica: t.replica.url.clone(),
+                return Err(RequestError::Timeout {
+                    replica: t.replica.url().to_owned(),
                     timeout_ms: settings.timeouts.first_byte_ms,
-                };
-                return (reject(fleet, req.route, err), None);
+                });
             }
             Ok(Err(e)) if e.is_connect() => {
                 let msg = error_chain(&e);
                 fail_count(fleet, &t.replica, "connect");
                 if t.replica.set_down(msg.clone()) {
-                    tracing::warn!(replica = %t.replica.url, error = %msg, "replica unreachable; marked down");
+                    tracing::warn!(replica = %t.replica.url(), error = %msg, "replica unreachable; marked down");
                     fleet.bump();
                 }
                 if more {
                     count_retry(fleet, &req, "connect");
                 }
-                failures.push(format!("{}: {msg}", t.replica.url));
+                failures.push(format!("{}: {msg}", t.replica.url()));
             }
             Ok(Err(e)) => {
                 // Sent (at least partly): the replica may have started on it, so no retry.
                 let msg = error_chain(&e);
                 fail_count(fleet, &t.replica, "request");
-                let err = RequestError::Upstream {
-                    replica: t.replica.url.clone(),
+                return Err(RequestError::Upstream {
+                    replica: t.replica.url().to_owned(),
                     detail: msg,
-                };
-                return (reject(fleet, req.route, err), None);
+                });
             }
             Ok(Ok(resp)) => {
                 if resp.status() == StatusCode::SERVICE_UNAVAILABLE && more {
                     fail_count(fleet, &t.replica, "unavailable");
                     count_retry(fleet, &req, "unavailable");
-                    failures.push(format!("{}: answered 503", t.replica.url));
+                    failures.push(format!("{}: answered 503", t.replica.url()));
                     continue;
                 }
                 if t.replica.health() != crate::api::Health::Up {
                     t.replica.set_up();
                     fleet.bump();
                 }
-                return (respond(fleet, req, t, guard, resp), Some(i));
+                return Ok((respond(fleet, req, t, guard, resp), i));
             }
         }
     }
-    let pool = req.pool.clone().unwrap_or_default();
+    let pool = req.accounting.pool().unwrap_or_default().to_owned();
     let detail = if failures.is_empty() {
         "no replica is configured".to_owned()
     } else {
         failures.join("; ")
     };
-    (
-        reject(fleet, req.route, RequestError::NoReplica { pool, detail }),
-        None,
-    )
+    Err(RequestError::NoReplica { pool, detail })
 }
 
 fn fail_count(fleet: &Fleet, replica: &Replica, kind: &'static str) {
@@ -189,7 +176,7 @@ fn fail_count(fleet: &Fleet, replica: &Replica, kind: &'static str) {
         .metrics
         .upstream_failures
         .get_or_create(&ReplicaKind {
-            replica: replica.url.clone(),
+            replica: replica.url().to_owned(),
             kind,
         })
         .inc();
@@ -200,7 +187,7 @@ fn count_retry(fleet: &Fleet, req: &Forward, kind: &'static str) {
         .metrics
         .retries
         .get_or_create(&PoolKind {
-            pool: req.pool.clone().unwrap_or_default(),
+            pool: req.accounting.pool().unwrap_or_default().to_owned(),
             kind,
         })
         .inc();
@@ -221,12 +208,12 @@ fn respond(
         .requests
         .get_or_create(&RequestLabels {
             route: req.route,
-            replica: t.replica.url.clone(),
+            replica: t.replica.url().to_owned(),
             status: status.as_u16(),
         })
         .inc();
     if fleet.settings.expose_endpoint_header {
-        if let Ok(v) = HeaderValue::from_str(t.replica.authority.as_str()) {
+        if let Ok(v) = HeaderValue::from_str(t.replica.endpoint.authority.as_str()) {
             headers.insert(HeaderName::from_static("x-kinference-endpoint"), v);
         }
         headers.insert(
@@ -250,15 +237,15 @@ fn respond(
         total: timeouts
             .total()
             .map(|d| Box::pin(tokio::time::sleep_until(req.start + d))),
-        scanner: req.pool.as_ref().map(|_| UsageScanner::default()),
+        scanner: req.accounting.pool().map(|_| UsageScanner::default()),
         sse,
         first_seen: false,
         finished: false,
         obs: Observer {
             fleet: fleet.clone(),
             route: req.route,
-            replica: t.replica.url.clone(),
-            pool: req.pool,
+            replica: t.replica.url().to_owned(),
+            pool: req.accounting.pool().map(str::to_owned),
             predicted_cached: t.predicted_cached,
             start: req.start,
         },

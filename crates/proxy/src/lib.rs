@@ -53,20 +53,27 @@
 //! latency"). Event planes, scrapers, discovery and the admin port run on the caller's
 //! runtime.
 
-mod admin;
+// Modules from the bottom up: each one uses only modules listed above it (no import cycles).
+// Plain data and settings:
 pub mod api;
 pub mod config;
-mod discovery;
 pub mod error;
-mod fleet;
-mod forward;
-mod link;
 mod metrics;
-mod route;
-mod scrape;
-mod server;
-mod upstream;
 mod usage;
+// Talking to replicas:
+mod link;
+mod upstream;
+// The live fleet and what keeps it current:
+mod discovery;
+mod fleet;
+mod scrape;
+mod snapshot;
+// One request, top down: body → decide → forward; the two ports:
+mod admin;
+mod body;
+mod decide;
+mod forward;
+mod server;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -82,7 +89,8 @@ use tokio_util::sync::CancellationToken;
 
 pub use api::{ReadyResponse, ReplicasResponse};
 pub use config::{
-    parse_policy, Config, ConfigError, ConfigErrors, EventsSpec, PoolConfig, ReplicaSpec,
+    parse_policy, Config, ConfigError, ConfigErrors, EventSourceError, EventsSpec, PolicyFlagError,
+    PoolConfig, ReplicaFlagError, ReplicaSpec, UrlError,
 };
 pub use error::{RequestError, StartError};
 
@@ -107,7 +115,7 @@ pub struct Proxy {
 impl Proxy {
     /// Validates `config`, binds its `listen` and `admin` addresses and starts.
     pub async fn start(config: Config) -> Result<Proxy, StartError> {
-        config.check()?;
+        let resolved = config.resolve()?;
         let bind = |addr: String| async move {
             TcpListener::bind(&addr)
                 .await
@@ -115,7 +123,7 @@ impl Proxy {
         };
         let data = bind(config.listen.clone()).await?;
         let admin = bind(config.admin.clone()).await?;
-        Self::start_with(config, data, admin).await
+        Self::start_resolved(config, resolved, data, admin).await
     }
 
     /// Starts on listeners bound by the caller (`listen` and `admin` in `config` are unused).
@@ -124,12 +132,25 @@ impl Proxy {
         data: TcpListener,
         admin: TcpListener,
     ) -> Result<Proxy, StartError> {
-        config.check()?;
+        let resolved = config.resolve()?;
+        Self::start_resolved(config, resolved, data, admin).await
+    }
+
+    async fn start_resolved(
+        config: Config,
+        resolved: config::Resolved,
+        data: TcpListener,
+        admin: TcpListener,
+    ) -> Result<Proxy, StartError> {
         let metrics = Metrics::new();
         let upstream = Upstream::new(config.timeouts.connect(), config.timeouts.pool_idle());
-        let (fleet, discoveries) = fleet::build(&config, metrics.clone(), upstream).await?;
+        let (fleet, discoveries) =
+            fleet::build(&config, resolved, metrics.clone(), upstream).await?;
         let fleet = Arc::new(fleet);
-        let registry = metrics.registry(fleet.clone());
+        let registry = {
+            let fleet = fleet.clone();
+            metrics.registry(Arc::new(move || snapshot::take(&fleet)))
+        };
         let mut background = Vec::new();
         for d in discoveries {
             background.push(tokio::spawn(discovery::run(
@@ -223,12 +244,12 @@ impl Proxy {
 
     /// What `/debug/replicas` answers now.
     pub fn status(&self) -> ReplicasResponse {
-        admin::snapshot(&self.fleet)
+        snapshot::take(&self.fleet)
     }
 
     /// What `/readyz` answers now.
     pub fn readiness(&self) -> ReadyResponse {
-        admin::readiness(&self.fleet)
+        self.status().readiness()
     }
 
     /// Requests in flight through the router, all pools.
@@ -271,7 +292,7 @@ impl Proxy {
     ) -> Result<WorkerHealth, EventsError> {
         let url = replica_url.trim_end_matches('/');
         let found = self.fleet.pools.iter().find_map(|p| {
-            p.replicas.iter().find(|r| r.url == url).map(|r| {
+            p.replicas.iter().find(|r| r.url() == url).map(|r| {
                 (
                     p.clone(),
                     kinference_index::WorkerId::new(r.id, DpRank(rank)),

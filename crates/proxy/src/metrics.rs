@@ -1,8 +1,9 @@
 //! The router's Prometheus metrics (admin `/metrics`), through a registry built at start.
 //!
 //! Two kinds: event counters and histograms updated on the request path ([`Metrics`], cheap
-//! clones of shared families), and state read when scraped ([`FleetCollector`]: replica
-//! health and load, scorability, index size, KV-event stream health). Label values are bounded
+//! clones of shared families), and state read when scraped ([`StateCollector`]: replica
+//! health and load, scorability, index size, KV-event stream health), rendered from the same
+//! fleet snapshot `/debug/replicas` answers, so the two never disagree. Label values are bounded
 //! sets: route names from a fixed list, replica URLs and pool names from the configuration,
 //! status codes, and fixed reason/kind labels — never anything from a request body.
 
@@ -18,8 +19,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::api::Health;
-use crate::fleet::Fleet;
+use crate::api::{Health, ReplicasResponse};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct RequestLabels {
@@ -110,8 +110,9 @@ impl Metrics {
         }
     }
 
-    /// Registers every family and the fleet's state collector.
-    pub fn registry(&self, fleet: Arc<Fleet>) -> Registry {
+    /// Registers every family, and a collector rendering the fleet's state from `snapshot`
+    /// at each scrape.
+    pub fn registry(&self, snapshot: Snapshotter) -> Registry {
         let mut r = Registry::default();
         r.register(
             "kinference_requests",
@@ -176,7 +177,7 @@ impl Metrics {
             "Requests routed by load only because their prompt could not be tokenized",
             self.tokenize_fallbacks.clone(),
         );
-        r.register_collector(Box::new(FleetCollector { fleet }));
+        r.register_collector(Box::new(StateCollector { snapshot }));
         r
     }
 }
@@ -191,10 +192,18 @@ pub(crate) fn render(registry: &Registry) -> String {
     out
 }
 
-/// State read at scrape time.
-#[derive(Debug)]
-struct FleetCollector {
-    fleet: Arc<Fleet>,
+/// Takes the fleet snapshot a scrape renders.
+pub(crate) type Snapshotter = Arc<dyn Fn() -> ReplicasResponse + Send + Sync>;
+
+/// State read at scrape time, from one snapshot.
+struct StateCollector {
+    snapshot: Snapshotter,
+}
+
+impl std::fmt::Debug for StateCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StateCollector")
+    }
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -247,103 +256,132 @@ impl Series {
     }
 }
 
-impl Collector for FleetCollector {
-    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let mut up = Series::gauge(
-            "kinference_replica_up",
-            "1 when the replica's last scrape or request reached it",
-        );
-        let mut scorable = Series::gauge(
-            "kinference_replica_scorable",
-            "1 when the router can reproduce the replica's block hashes (0: routed by load only)",
-        );
-        let mut unscorable = Series::gauge(
-            "kinference_unscorable_replicas",
-            "Replicas whose block hashes the router cannot reproduce, per pool",
-        );
-        let mut in_flight = Series::gauge(
-            "kinference_worker_in_flight",
-            "Requests this router sent to the worker that have not finished",
-        );
-        let mut prefill = Series::gauge(
-            "kinference_worker_in_flight_prefill_tokens",
-            "Predicted uncached prompt tokens of this router's requests still waiting for a first byte",
-        );
-        let mut running = Series::gauge(
-            "kinference_worker_running",
-            "Scraped vllm:num_requests_running",
-        );
-        let mut waiting = Series::gauge(
-            "kinference_worker_waiting",
-            "Scraped vllm:num_requests_waiting",
-        );
-        let mut kv = Series::gauge(
-            "kinference_worker_kv_usage",
-            "Scraped vllm:kv_cache_usage_perc (0..1)",
-        );
-        let mut entries = Series::gauge(
-            "kinference_index_entries",
-            "Entries in the pool's block index",
-        );
-        let mut blocks = Series::gauge(
-            "kinference_index_blocks",
-            "Distinct block hashes in the pool's index",
-        );
-        let mut tracked = Series::gauge(
-            "kinference_tracked_entries",
-            "Router-side (block, worker) entries: speculative, or the approximate policy's record",
-        );
-        let mut ev_connected = Series::gauge(
-            "kinference_event_stream_connected",
-            "1 when the worker's KV-event stream is connected",
-        );
-        let mut ev_state = Series::gauge(
-            "kinference_event_stream_state",
-            "1 for the worker's current sync state (connecting, synced, resynced, stale)",
-        );
-        let mut ev_lag = Series::gauge(
-            "kinference_event_stream_lag_seconds",
-            "Seconds since the worker's last live KV event",
-        );
-        let mut ev_entries = Series::gauge(
-            "kinference_event_stream_index_entries",
-            "Index entries held for the worker",
-        );
-        let mut ev_messages = Series::counter(
-            "kinference_event_stream_messages",
-            "Live KV-event messages received",
-        );
-        let mut ev_gaps = Series::counter("kinference_event_stream_gaps", "Sequence gaps detected");
-        let mut ev_replays = Series::counter(
-            "kinference_event_stream_replays",
-            "Replays attempted to fill gaps",
-        );
-        let mut ev_replays_ok = Series::counter(
-            "kinference_event_stream_replays_succeeded",
-            "Replays that filled their gap",
-        );
-        let mut ev_unrec = Series::counter(
-            "kinference_event_stream_unrecoverable_gaps",
-            "Gaps replay could not fill (the worker was cleared)",
-        );
-        let mut ev_resets = Series::counter(
-            "kinference_event_stream_resets",
-            "Publisher restarts detected",
-        );
-        let mut ev_decode = Series::counter(
-            "kinference_event_stream_decode_errors",
-            "Event messages that could not be decoded",
-        );
+/// Every state series, in the order they are exposed.
+struct StateSeries {
+    up: Series,
+    scorable: Series,
+    unscorable: Series,
+    in_flight: Series,
+    prefill: Series,
+    running: Series,
+    waiting: Series,
+    kv: Series,
+    entries: Series,
+    blocks: Series,
+    tracked: Series,
+    ev_connected: Series,
+    ev_state: Series,
+    ev_lag: Series,
+    ev_entries: Series,
+    ev_messages: Series,
+    ev_gaps: Series,
+    ev_replays: Series,
+    ev_replays_ok: Series,
+    ev_unrec: Series,
+    ev_resets: Series,
+    ev_decode: Series,
+}
 
-        let now = tokio::time::Instant::now();
-        for pool in &self.fleet.pools {
+impl StateSeries {
+    fn new() -> Self {
+        StateSeries {
+            up: Series::gauge(
+                "kinference_replica_up",
+                "1 when the replica's last scrape or request reached it",
+            ),
+            scorable: Series::gauge(
+                "kinference_replica_scorable",
+                "1 when the router can reproduce the replica's block hashes (0: routed by load only)",
+            ),
+            unscorable: Series::gauge(
+                "kinference_unscorable_replicas",
+                "Replicas whose block hashes the router cannot reproduce, per pool",
+            ),
+            in_flight: Series::gauge(
+                "kinference_worker_in_flight",
+                "Requests this router sent to the worker that have not finished",
+            ),
+            prefill: Series::gauge(
+                "kinference_worker_in_flight_prefill_tokens",
+                "Predicted uncached prompt tokens of this router's requests still waiting for a first byte",
+            ),
+            running: Series::gauge(
+                "kinference_worker_running",
+                "Scraped vllm:num_requests_running",
+            ),
+            waiting: Series::gauge(
+                "kinference_worker_waiting",
+                "Scraped vllm:num_requests_waiting",
+            ),
+            kv: Series::gauge(
+                "kinference_worker_kv_usage",
+                "Scraped vllm:kv_cache_usage_perc (0..1)",
+            ),
+            entries: Series::gauge(
+                "kinference_index_entries",
+                "Entries in the pool's block index",
+            ),
+            blocks: Series::gauge(
+                "kinference_index_blocks",
+                "Distinct block hashes in the pool's index",
+            ),
+            tracked: Series::gauge(
+                "kinference_tracked_entries",
+                "Router-side (block, worker) entries: speculative, or the approximate policy's record",
+            ),
+            ev_connected: Series::gauge(
+                "kinference_event_stream_connected",
+                "1 when the worker's KV-event stream is connected",
+            ),
+            ev_state: Series::gauge(
+                "kinference_event_stream_state",
+                "1 for the worker's current sync state (connecting, synced, resynced, stale)",
+            ),
+            ev_lag: Series::gauge(
+                "kinference_event_stream_lag_seconds",
+                "Seconds since the worker's last live KV event",
+            ),
+            ev_entries: Series::gauge(
+                "kinference_event_stream_index_entries",
+                "Index entries held for the worker",
+            ),
+            ev_messages: Series::counter(
+                "kinference_event_stream_messages",
+                "Live KV-event messages received",
+            ),
+            ev_gaps: Series::counter("kinference_event_stream_gaps", "Sequence gaps detected"),
+            ev_replays: Series::counter(
+                "kinference_event_stream_replays",
+                "Replays attempted to fill gaps",
+            ),
+            ev_replays_ok: Series::counter(
+                "kinference_event_stream_replays_succeeded",
+                "Replays that filled their gap",
+            ),
+            ev_unrec: Series::counter(
+                "kinference_event_stream_unrecoverable_gaps",
+                "Gaps replay could not fill (the worker was cleared)",
+            ),
+            ev_resets: Series::counter(
+                "kinference_event_stream_resets",
+                "Publisher restarts detected",
+            ),
+            ev_decode: Series::counter(
+                "kinference_event_stream_decode_errors",
+                "Event messages that could not be decoded",
+            ),
+        }
+    }
+
+    fn add(&mut self, snapshot: &ReplicasResponse) {
+        for pool in &snapshot.pools {
             let pl = || vec![("pool", pool.name.clone())];
-            let (n_entries, n_blocks) = pool.index_size();
-            entries.samples.push((pl(), n_entries as f64));
-            blocks.samples.push((pl(), n_blocks as f64));
-            tracked.samples.push((pl(), pool.tracked_entries() as f64));
+            self.entries.samples.push((pl(), pool.index_entries as f64));
+            self.blocks.samples.push((pl(), pool.index_blocks as f64));
+            self.tracked
+                .samples
+                .push((pl(), pool.tracked_entries as f64));
             let mut n_unscorable = 0usize;
-            let plane = pool.plane();
             for replica in &pool.replicas {
                 let rl = || {
                     vec![
@@ -351,78 +389,97 @@ impl Collector for FleetCollector {
                         ("replica", replica.url.clone()),
                     ]
                 };
-                up.samples
-                    .push((rl(), f64::from(u8::from(replica.health() == Health::Up))));
-                let ok = replica.is_scorable();
-                n_unscorable += usize::from(!ok);
-                scorable.samples.push((rl(), f64::from(u8::from(ok))));
-                for (rank, w) in replica.workers.iter().enumerate() {
-                    let wl = || {
-                        let mut l = rl();
-                        l.push(("rank", rank.to_string()));
-                        l
-                    };
-                    let load = w.snapshot();
-                    in_flight.samples.push((wl(), f64::from(load.in_flight)));
-                    prefill
-                        .samples
-                        .push((wl(), load.in_flight_prefill_tokens as f64));
-                    running.samples.push((wl(), f64::from(load.running)));
-                    waiting.samples.push((wl(), f64::from(load.waiting)));
-                    kv.samples.push((wl(), load.kv_usage));
-                    let Some(h) = plane.as_ref().and_then(|p| p.health(replica.worker(rank)))
-                    else {
-                        continue;
-                    };
-                    ev_connected
-                        .samples
-                        .push((wl(), f64::from(u8::from(h.connected))));
-                    let mut sl = wl();
-                    sl.push(("state", crate::admin::sync_name(h.sync).to_owned()));
-                    ev_state.samples.push((sl, 1.0));
-                    if let Some(age) = h.last_event_age(now) {
-                        ev_lag.samples.push((wl(), age.as_secs_f64()));
-                    }
-                    ev_entries.samples.push((wl(), h.entries as f64));
-                    ev_messages.samples.push((wl(), h.messages as f64));
-                    ev_gaps.samples.push((wl(), h.gaps as f64));
-                    ev_replays.samples.push((wl(), h.replays_attempted as f64));
-                    ev_replays_ok
-                        .samples
-                        .push((wl(), h.replays_succeeded as f64));
-                    ev_unrec.samples.push((wl(), h.unrecoverable_gaps as f64));
-                    ev_resets.samples.push((wl(), h.resets as f64));
-                    ev_decode.samples.push((wl(), h.decode_errors as f64));
+                let up = replica.health == Health::Up;
+                self.up.samples.push((rl(), f64::from(u8::from(up))));
+                n_unscorable += usize::from(!replica.scorable);
+                self.scorable
+                    .samples
+                    .push((rl(), f64::from(u8::from(replica.scorable))));
+                for w in &replica.workers {
+                    let mut wl = rl();
+                    wl.push(("rank", w.rank.to_string()));
+                    self.add_worker(wl, w);
                 }
             }
-            unscorable.samples.push((pl(), n_unscorable as f64));
+            self.unscorable.samples.push((pl(), n_unscorable as f64));
         }
+    }
+
+    fn add_worker(&mut self, wl: Labels, w: &crate::api::WorkerStatus) {
+        let load = &w.load;
+        self.in_flight
+            .samples
+            .push((wl.clone(), f64::from(load.in_flight)));
+        self.prefill
+            .samples
+            .push((wl.clone(), load.in_flight_prefill_tokens as f64));
+        self.running
+            .samples
+            .push((wl.clone(), f64::from(load.running)));
+        self.waiting
+            .samples
+            .push((wl.clone(), f64::from(load.waiting)));
+        self.kv.samples.push((wl.clone(), load.kv_usage));
+        let Some(h) = &w.events else { return };
+        self.ev_connected
+            .samples
+            .push((wl.clone(), f64::from(u8::from(h.connected))));
+        let mut sl = wl.clone();
+        sl.push(("state", h.sync.clone()));
+        self.ev_state.samples.push((sl, 1.0));
+        if let Some(ms) = h.last_event_age_ms {
+            self.ev_lag.samples.push((wl.clone(), ms as f64 / 1000.0));
+        }
+        let counts = [
+            (&mut self.ev_entries, w.index_entries as u64),
+            (&mut self.ev_messages, h.messages),
+            (&mut self.ev_gaps, h.gaps),
+            (&mut self.ev_replays, h.replays_attempted),
+            (&mut self.ev_replays_ok, h.replays_succeeded),
+            (&mut self.ev_unrec, h.unrecoverable_gaps),
+            (&mut self.ev_resets, h.resets),
+            (&mut self.ev_decode, h.decode_errors),
+        ];
+        for (series, v) in counts {
+            series.samples.push((wl.clone(), v as f64));
+        }
+    }
+
+    fn encode(&self, encoder: &mut DescriptorEncoder) -> Result<(), std::fmt::Error> {
         for s in [
-            &up,
-            &scorable,
-            &unscorable,
-            &in_flight,
-            &prefill,
-            &running,
-            &waiting,
-            &kv,
-            &entries,
-            &blocks,
-            &tracked,
-            &ev_connected,
-            &ev_state,
-            &ev_lag,
-            &ev_entries,
-            &ev_messages,
-            &ev_gaps,
-            &ev_replays,
-            &ev_replays_ok,
-            &ev_unrec,
-            &ev_resets,
-            &ev_decode,
+            &self.up,
+            &self.scorable,
+            &self.unscorable,
+            &self.in_flight,
+            &self.prefill,
+            &self.running,
+            &self.waiting,
+            &self.kv,
+            &self.entries,
+            &self.blocks,
+            &self.tracked,
+            &self.ev_connected,
+            &self.ev_state,
+            &self.ev_lag,
+            &self.ev_entries,
+            &self.ev_messages,
+            &self.ev_gaps,
+            &self.ev_replays,
+            &self.ev_replays_ok,
+            &self.ev_unrec,
+            &self.ev_resets,
+            &self.ev_decode,
         ] {
-            s.encode(&mut encoder)?;
+            s.encode(encoder)?;
         }
         Ok(())
+    }
+}
+
+impl Collector for StateCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let mut series = StateSeries::new();
+        series.add(&(self.snapshot)());
+        series.encode(&mut encoder)
     }
 }

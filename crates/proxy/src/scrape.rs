@@ -205,7 +205,12 @@ pub(crate) fn roots_match(hasher: &BlockHasher, health: &WorkerHealth) -> Option
 pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
     let got = fleet
         .upstream
-        .get(replica, "/metrics", fleet.settings.scrape_timeout, 16 << 20)
+        .get(
+            &replica.endpoint,
+            "/metrics",
+            fleet.settings.scrape_timeout,
+            16 << 20,
+        )
         .await;
     let text = match got {
         Ok((status, body)) if status.is_success() => String::from_utf8_lossy(&body).into_owned(),
@@ -264,14 +269,14 @@ pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
     }
     if replica.set_unscorable(reason.clone()) {
         match &reason {
-            Some(r) => tracing::warn!(replica = %replica.url, pool = %pool.name, reason = %r,
+            Some(r) => tracing::warn!(replica = %replica.url(), pool = %pool.name, reason = %r,
                 "replica's block hashes cannot be reproduced; routing it by load only"),
-            None => tracing::info!(replica = %replica.url, pool = %pool.name,
+            None => tracing::info!(replica = %replica.url(), pool = %pool.name,
                 "replica's block hashes match the pool again"),
         }
     }
     if replica.health() != crate::api::Health::Up {
-        tracing::info!(replica = %replica.url, "replica is up");
+        tracing::info!(replica = %replica.url(), "replica is up");
         replica.set_up();
     }
     fleet.bump();
@@ -287,7 +292,7 @@ fn as_u32(v: f64) -> u32 {
 
 fn mark_down(fleet: &Fleet, replica: &Replica, error: String) {
     if replica.set_down(error.clone()) {
-        tracing::warn!(replica = %replica.url, error = %error, "replica is down");
+        tracing::warn!(replica = %replica.url(), error = %error, "replica is down");
     }
     fleet.bump();
 }

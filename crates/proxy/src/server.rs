@@ -1,33 +1,34 @@
-//! The data port: `/v1/completions` and `/v1/chat/completions` routed by the pool's policy,
-//! `/v1/models` aggregated over the fleet, every other path passed through to a replica of the
-//! pool its `model` names (the first pool without one), least loaded first.
+//! The data port, read top to bottom as a request travels: accept → read the body →
+//! decide where it goes ([`crate::decide`]) → forward and stream the answer back
+//! ([`crate::forward`]) → or answer the router's own error ([`reject`]).
+//!
+//! `/v1/completions` and `/v1/chat/completions` are routed by the pool's policy, `/v1/models`
+//! is aggregated over the fleet, every other path is passed through to a replica of the pool
+//! its `model` names (the first pool without one), least loaded first.
 //!
 //! Invariant: a handler always ends in exactly one response: the replica's (streamed as it
-//! comes), or the router's own error in OpenAI's shape.
+//! comes), or the router's own error in OpenAI's shape, counted once.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::extract::{Request, State};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use bytes::Bytes;
-use http::header;
-use http::request::Parts;
 use http::StatusCode;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::api::Health;
+use crate::body::{path_and_query, read_body};
+use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
-use crate::fleet::{Fleet, Pool};
-use crate::forward::{forward, reject, Forward, Target};
-use crate::metrics::{DecisionLabels, PoolLabel, RequestLabels};
-use crate::route::{self, Api};
+use crate::fleet::Fleet;
+use crate::forward::{forward, Accounting, Forward};
+use crate::metrics::{DecisionLabels, KindLabel, PoolLabel, RequestLabels};
 use crate::upstream::Upstream;
 
 /// What the data port's handlers share: the fleet, and the upstream client of the thread
@@ -47,33 +48,6 @@ pub(crate) fn router(fleet: Arc<Fleet>, upstream: Upstream) -> Router {
         .with_state(Data { fleet, upstream })
 }
 
-/// Reads a whole request body, refusing more than `limit` bytes.
-pub(crate) async fn read_body(limit: usize, req: Request) -> Result<(Parts, Bytes), RequestError> {
-    let (parts, body) = req.into_parts();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(RequestError::TooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok((parts, c.to_bytes())),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(RequestError::TooLarge { limit })
-        }
-        Err(e) => Err(RequestError::ClientBody(e.to_string())),
-    }
-}
-
-fn path_and_query(parts: &Parts) -> String {
-    parts
-        .uri
-        .path_and_query()
-        .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned())
-}
-
 async fn completions(State(data): State<Data>, req: Request) -> Response {
     routed(data, Api::Completions, req).await
 }
@@ -82,102 +56,87 @@ async fn chat_completions(State(data): State<Data>, req: Request) -> Response {
     routed(data, Api::Chat, req).await
 }
 
+/// A request the pool's policy places.
 async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Response {
     let start = Instant::now();
-    let route = api.route();
+    let label = api.route_label();
     let (parts, body) = match read_body(fleet.settings.max_body_bytes, req).await {
         Ok(x) => x,
-        Err(e) => return reject(&fleet, route, e),
+        Err(e) => return reject(&fleet, label, e),
     };
-    let prepared = match route::prepare(&fleet, api, &body, &parts.headers, false) {
+    let prepared = match decide::prepare(&fleet, api, &body, &parts.headers, false) {
         Ok(p) => p,
-        Err(e) => return reject(&fleet, route, e),
+        Err(e) => return reject(&fleet, label, e),
     };
-    let (decision, _) = route::decide(&fleet, &prepared, true);
-    let pool = prepared.pool.clone();
-    let m = &fleet.metrics;
-    m.decisions
-        .get_or_create(&DecisionLabels {
-            pool: pool.name.clone(),
-            policy: decision.policy,
-            reason: decision.reason.as_str(),
-        })
-        .inc();
-    m.prompt_tokens
-        .get_or_create(&PoolLabel {
-            pool: pool.name.clone(),
-        })
-        .inc_by(u64::from(prepared.prompt_tokens));
-    let targets: Vec<Target> = decision
-        .ranked
-        .iter()
-        .zip(&decision.scores)
-        .filter_map(|(w, s)| {
-            let replica = pool.replica(w.replica)?.clone();
-            let pin_rank = replica.dp_size() > 1;
-            Some(Target {
-                replica,
-                rank: w.rank.0 as usize,
-                pin_rank,
-                predicted_cached: s.predicted_cached_tokens,
-            })
-        })
-        .collect();
-    tracing::debug!(
-        pool = %pool.name,
-        prompt_tokens = prepared.prompt_tokens,
-        blocks = prepared.hashes.len(),
-        reason = decision.reason.as_str(),
-        chosen = ?decision.chosen(),
-        "routing decision"
-    );
+    let routed = decide::route(&fleet, prepared);
+    record_decision(&fleet, &routed);
+    let p = &routed.prepared;
     let fwd = Forward {
-        route,
-        pool: Some(pool.name.clone()),
-        prompt_tokens: prepared.prompt_tokens,
+        route: label,
+        accounting: Accounting::Routed {
+            pool: p.pool.name.clone(),
+            prompt_tokens: p.prompt_tokens,
+        },
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
         headers: parts.headers,
         body,
         start,
     };
-    let (resp, used) = forward(&fleet, &upstream, fwd, &targets).await;
-    if let (Some(i), Some(first)) = (used, decision.chosen()) {
-        if let Some(t) = targets.get(i).filter(|_| i > 0) {
-            // The request landed on a fallback: that worker now holds the prefix.
-            let mut landed = decision.clone();
-            landed.ranked = vec![t.replica.worker(t.rank)];
-            let now = fleet.now();
-            pool.policy.lock().apply(&landed, &prepared.hashes, now);
-            tracing::debug!(chosen = %first, landed = %landed.ranked[0], "request fell back");
+    match forward(&fleet, &upstream, fwd, &routed.targets).await {
+        Ok((resp, used)) => {
+            decide::landed(&fleet, &routed, used);
+            resp
         }
+        Err(e) => reject(&fleet, label, e),
     }
-    resp
 }
 
-/// Replicas of `pool` for a request the policy does not rank: the least loaded first (by
-/// in-flight requests), ties rotated so that they spread.
-fn load_order(pool: &Pool) -> Vec<Target> {
-    let ticket = pool.ticket() as usize;
-    let all_down = pool.replicas.iter().all(|r| r.health() == Health::Down);
-    let mut rs: Vec<_> = pool
-        .replicas
-        .iter()
-        .filter(|r| all_down || r.health() != Health::Down)
-        .collect();
-    if !rs.is_empty() {
-        let n = rs.len();
-        rs.rotate_left(ticket % n);
-    }
-    rs.sort_by_key(|r| r.workers.iter().map(|w| w.load().in_flight).sum::<u32>());
-    rs.into_iter()
-        .map(|r| Target {
-            replica: r.clone(),
-            rank: ticket % r.dp_size().max(1),
-            pin_rank: false,
-            predicted_cached: 0,
+fn record_decision(fleet: &Fleet, routed: &decide::Routed<'_>) {
+    let (p, decision) = (&routed.prepared, &routed.decision);
+    let m = &fleet.metrics;
+    m.decisions
+        .get_or_create(&DecisionLabels {
+            pool: p.pool.name.clone(),
+            policy: decision.policy,
+            reason: decision.reason.as_str(),
         })
-        .collect()
+        .inc();
+    m.prompt_tokens
+        .get_or_create(&PoolLabel {
+            pool: p.pool.name.clone(),
+        })
+        .inc_by(u64::from(p.prompt_tokens));
+    tracing::debug!(
+        pool = %p.pool.name,
+        prompt_tokens = p.prompt_tokens,
+        blocks = p.hashes.len(),
+        reason = decision.reason.as_str(),
+        chosen = ?decision.chosen(),
+        "routing decision"
+    );
+}
+
+/// Answers a request with the router's own error, and counts it.
+fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> Response {
+    let status = err.status();
+    if status.is_server_error() {
+        tracing::warn!(route, error = %err, "request failed");
+    } else {
+        tracing::debug!(route, error = %err, "request refused");
+    }
+    let m = &fleet.metrics;
+    m.router_errors
+        .get_or_create(&KindLabel { kind: err.label() })
+        .inc();
+    m.requests
+        .get_or_create(&RequestLabels {
+            route,
+            replica: String::new(),
+            status: status.as_u16(),
+        })
+        .inc();
+    err.into_response()
 }
 
 /// The `route` label of a passed-through path (a fixed set: paths are not labels).
@@ -205,6 +164,7 @@ struct ModelOnly {
     model: Option<String>,
 }
 
+/// Any other path: to the least loaded replica of the request's pool.
 async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request) -> Response {
     let start = Instant::now();
     let route = route_label(req.uri().path());
@@ -223,18 +183,20 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
         Ok((p, _)) => p.clone(),
         Err(e) => return reject(&fleet, route, e),
     };
-    let targets = load_order(&pool);
+    let targets = decide::by_load(&pool);
     let fwd = Forward {
         route,
-        pool: None,
-        prompt_tokens: 0,
+        accounting: Accounting::Passthrough,
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
         headers: parts.headers,
         body,
         start,
     };
-    forward(&fleet, &upstream, fwd, &targets).await.0
+    match forward(&fleet, &upstream, fwd, &targets).await {
+        Ok((resp, _)) => resp,
+        Err(e) => reject(&fleet, route, e),
+    }
 }
 
 /// `GET /v1/models`: the models every pool serves, with the replicas' own descriptions where
@@ -249,7 +211,7 @@ async fn models(State(Data { fleet, upstream }): State<Data>) -> Response {
     for pool in &fleet.pools {
         for r in pool.replicas.iter().filter(|r| r.health() != Health::Down) {
             let (u, r) = (upstream.clone(), r.clone());
-            tasks.spawn(async move { u.get(&r, "/v1/models", timeout, 4 << 20).await });
+            tasks.spawn(async move { u.get(&r.endpoint, "/v1/models", timeout, 4 << 20).await });
         }
     }
     let mut described: BTreeMap<String, Value> = BTreeMap::new();

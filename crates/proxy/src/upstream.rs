@@ -16,7 +16,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use crate::fleet::Replica;
+use crate::config::Endpoint;
 use crate::link::{LinkBody, LinkError, Links};
 
 /// vLLM's header naming the DP rank that must serve a request.
@@ -48,58 +48,76 @@ impl Upstream {
         }
     }
 
-    /// Forwards one request to `replica`.
+    /// Forwards one request to `endpoint`.
     pub async fn send(
         &self,
-        replica: &Replica,
+        endpoint: &Endpoint,
         req: Request<Full<Bytes>>,
     ) -> Result<Response<LinkBody>, LinkError> {
-        self.links.send(&replica.authority, req).await
+        self.links.send(&endpoint.authority, req).await
     }
 
     /// `GET base + path`, whole body (at most `limit` bytes), within `timeout`.
     pub async fn get(
         &self,
-        replica: &Replica,
+        endpoint: &Endpoint,
         path: &str,
         timeout: Duration,
         limit: usize,
-    ) -> Result<(StatusCode, Bytes), String> {
-        let uri = upstream_uri(replica, path)?;
+    ) -> Result<(StatusCode, Bytes), GetError> {
+        let uri = upstream_uri(endpoint, path)?;
         let req = Request::builder()
             .method(Method::GET)
             .uri(uri)
-            .header(header::HOST, replica.authority.as_str())
+            .header(header::HOST, endpoint.authority.as_str())
             .body(Full::new(Bytes::new()))
-            .map_err(|e| e.to_string())?;
+            .map_err(UriError)?;
         let fut = async {
             let resp = self
                 .client
                 .request(req)
                 .await
-                .map_err(|e| error_chain(&e))?;
+                .map_err(|e| GetError::Request(error_chain(&e)))?;
             let status = resp.status();
             let body = Limited::new(resp.into_body(), limit)
                 .collect()
                 .await
-                .map_err(|e| e.to_string())?
+                .map_err(|e| GetError::Body(e.to_string()))?
                 .to_bytes();
-            Ok::<_, String>((status, body))
+            Ok((status, body))
         };
         tokio::time::timeout(timeout, fut)
             .await
-            .map_err(|_| format!("no answer within {} ms", timeout.as_millis()))?
+            .map_err(|_| GetError::Timeout(timeout))?
     }
 }
 
+/// Why a small GET to a replica failed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum GetError {
+    #[error(transparent)]
+    Uri(#[from] UriError),
+    /// Connecting or exchanging the request failed (with its sources).
+    #[error("{0}")]
+    Request(String),
+    #[error("{0}")]
+    Body(String),
+    #[error("no answer within {} ms", .0.as_millis())]
+    Timeout(Duration),
+}
+
+/// A path that makes no URI with the replica's base URL.
+#[derive(Debug, thiserror::Error)]
+#[error("bad upstream URI: {0}")]
+pub(crate) struct UriError(#[from] http::Error);
+
 /// The upstream URI for a client path-and-query.
-pub(crate) fn upstream_uri(replica: &Replica, path_and_query: &str) -> Result<Uri, String> {
-    Uri::builder()
+pub(crate) fn upstream_uri(endpoint: &Endpoint, path_and_query: &str) -> Result<Uri, UriError> {
+    Ok(Uri::builder()
         .scheme("http")
-        .authority(replica.authority.clone())
-        .path_and_query(format!("{}{}", replica.prefix, path_and_query))
-        .build()
-        .map_err(|e| format!("bad upstream URI: {e}"))
+        .authority(endpoint.authority.clone())
+        .path_and_query(format!("{}{}", endpoint.prefix, path_and_query))
+        .build()?)
 }
 
 /// An error with its sources, for messages (hyper's top-level errors say little).
@@ -149,15 +167,15 @@ pub(crate) fn build_request(
     path_and_query: &str,
     client_headers: &HeaderMap,
     body: Bytes,
-    replica: &Replica,
+    endpoint: &Endpoint,
     rank: Option<usize>,
-) -> Result<Request<Full<Bytes>>, String> {
-    let uri = upstream_uri(replica, path_and_query)?;
+) -> Result<Request<Full<Bytes>>, UriError> {
+    let uri = upstream_uri(endpoint, path_and_query)?;
     let mut headers = client_headers.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
     headers.remove(DP_RANK_HEADER);
-    if let Ok(v) = HeaderValue::from_str(replica.authority.as_str()) {
+    if let Ok(v) = HeaderValue::from_str(endpoint.authority.as_str()) {
         headers.insert(header::HOST, v);
     }
     if let Some(r) = rank {

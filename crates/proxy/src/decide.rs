@@ -1,23 +1,29 @@
-//! The routing decision for one OpenAI request: body → pool → token ids → block hashes →
-//! candidates (index + load) → policy. Shared by the data plane and `/debug/explain`.
+//! Where a request goes, decided in one place: for an OpenAI completion or chat request,
+//! body → pool → token ids → block hashes → candidates (index + load) → policy → ranked
+//! [`Target`]s ([`route`]); for any other path, the pool's replicas by load ([`by_load`]); and
+//! what a decision means when the request lands on a fallback ([`landed`]). Shared by the data
+//! plane and `/debug/explain`.
 //!
 //! Invariants: the body is parsed, never changed; a prompt is tokenized once; the index read
-//! lock is taken once (in [`Pool::candidates`]) and the policy lock once, for `select` and
-//! (on the data plane) `apply` together, so concurrent requests see each other's speculative
-//! entries. A prompt the router cannot tokenize (multimodal parts, a template it cannot render)
-//! is still forwarded, routed by load only; only a body that is not a request is refused.
+//! lock is taken once (in [`candidates`]) and the policy lock once, for `select` and (on the
+//! data plane) `apply` together, so concurrent requests see each other's speculative entries.
+//! A prompt the router cannot tokenize (multimodal parts, a template it cannot render) is still
+//! forwarded, routed by load only; only a body that is not a request is refused. A replica
+//! known to be down is never a target, unless every replica of the pool is: then all are, so a
+//! stale health mark costs a retry rather than an instant 503 ([`usable`]).
 
 use std::sync::Arc;
 
 use http::HeaderMap;
 use kinference_policy::{Candidate, Decision, RequestCtx};
 use kinference_tokenize::{ChatRequest, CompletionRequest, TokenizeError};
-use kinference_vllm::{BlockHash, Lora, RequestExtras};
+use kinference_vllm::BlockHash;
+use kinference_vllm::{Lora, RequestExtras};
 use serde::Deserialize;
 
-use crate::api::{CandidateScore, ExplainResponse};
+use crate::api::{CandidateScore, ExplainResponse, Health};
 use crate::error::RequestError;
-use crate::fleet::{Fleet, Pool};
+use crate::fleet::{Fleet, Pool, Replica};
 use crate::metrics::PoolKind;
 
 /// Which OpenAI API a routed request uses.
@@ -28,6 +34,7 @@ pub(crate) enum Api {
 }
 
 impl Api {
+    /// The name `/debug/explain` takes (`?api=`) and answers.
     pub fn as_str(self) -> &'static str {
         match self {
             Api::Completions => "completions",
@@ -35,8 +42,8 @@ impl Api {
         }
     }
 
-    /// The `route` metric label.
-    pub fn route(self) -> &'static str {
+    /// The `route` label of the router's request metrics.
+    pub fn route_label(self) -> &'static str {
         match self {
             Api::Completions => "completions",
             Api::Chat => "chat_completions",
@@ -157,10 +164,123 @@ fn hash(
         .collect()
 }
 
+/// One replica (and DP rank) to try.
+#[derive(Debug)]
+pub(crate) struct Target {
+    pub replica: Arc<Replica>,
+    pub rank: usize,
+    /// Send `X-data-parallel-rank` (the replica has several ranks and the policy chose one).
+    pub pin_rank: bool,
+    /// Prompt tokens the policy expects this worker to serve from cache.
+    pub predicted_cached: u32,
+}
+
+/// A routed request: its decision and the replicas to try, best first.
+#[derive(Debug)]
+pub(crate) struct Routed<'f> {
+    pub prepared: Prepared<'f>,
+    pub decision: Decision,
+    pub targets: Vec<Target>,
+}
+
+/// Decides where a prepared request goes and records the decision's effects on the policy
+/// (speculative entries) under the same lock hold.
+pub(crate) fn route<'f>(fleet: &Fleet, prepared: Prepared<'f>) -> Routed<'f> {
+    let decision = select(fleet, &prepared, true);
+    let pool = prepared.pool;
+    let targets = decision
+        .ranked
+        .iter()
+        .zip(&decision.scores)
+        .filter_map(|(w, s)| {
+            let replica = pool.replica(w.replica)?.clone();
+            let pin_rank = replica.dp_size() > 1;
+            Some(Target {
+                replica,
+                rank: w.rank.0 as usize,
+                pin_rank,
+                predicted_cached: s.predicted_cached_tokens,
+            })
+        })
+        .collect();
+    Routed {
+        prepared,
+        decision,
+        targets,
+    }
+}
+
+/// The request was served by `targets[used]`. When that is a fallback, the policy learns that
+/// this worker, not the first choice, now holds the prefix.
+pub(crate) fn landed(fleet: &Fleet, routed: &Routed<'_>, used: usize) {
+    let Some(t) = routed.targets.get(used).filter(|_| used > 0) else {
+        return;
+    };
+    let mut landed = routed.decision.clone();
+    landed.ranked = vec![t.replica.worker(t.rank)];
+    let now = fleet.now();
+    let p = &routed.prepared;
+    p.pool.policy.lock().apply(&landed, &p.hashes, now);
+    tracing::debug!(chosen = ?routed.decision.chosen(), landed = %landed.ranked[0], "request fell back");
+}
+
+/// Replicas of `pool` for a request the policy does not rank: the least loaded first (by
+/// in-flight requests), ties rotated so that they spread.
+pub(crate) fn by_load(pool: &Pool) -> Vec<Target> {
+    let ticket = pool.ticket() as usize;
+    let mut rs: Vec<_> = usable(&pool.replicas).collect();
+    if !rs.is_empty() {
+        let n = rs.len();
+        rs.rotate_left(ticket % n);
+    }
+    rs.sort_by_key(|r| r.workers.iter().map(|w| w.load().in_flight).sum::<u32>());
+    rs.into_iter()
+        .map(|r| Target {
+            replica: r.clone(),
+            rank: ticket % r.dp_size().max(1),
+            pin_rank: false,
+            predicted_cached: 0,
+        })
+        .collect()
+}
+
+/// The replicas a request may go to: every one not known to be down, or all of them when
+/// every one is down.
+pub(crate) fn usable(replicas: &[Arc<Replica>]) -> impl Iterator<Item = &Arc<Replica>> {
+    let all_down = replicas.iter().all(|r| r.health() == Health::Down);
+    replicas
+        .iter()
+        .filter(move |r| all_down || r.health() != Health::Down)
+}
+
+/// The workers a request may go to, with their load and cached prefix.
+fn candidates(pool: &Pool, hashes: &[BlockHash]) -> Vec<Candidate> {
+    let matches =
+        (pool.uses_index && !hashes.is_empty()).then(|| pool.index.read().longest_prefix(hashes));
+    let mut out = Vec::with_capacity(pool.replicas.len());
+    for r in usable(&pool.replicas) {
+        let scorable = r.is_scorable();
+        for (rank, w) in r.workers.iter().enumerate() {
+            let worker = r.worker(rank);
+            let cache = matches
+                .as_ref()
+                .and_then(|m| m.get(worker))
+                .unwrap_or_default();
+            out.push(Candidate {
+                worker,
+                load: w.load(),
+                cache,
+                scorable,
+            });
+        }
+    }
+    out
+}
+
 /// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
 /// the policy (speculative entries) are recorded under the same lock hold.
-pub(crate) fn decide(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> (Decision, Vec<Candidate>) {
-    let candidates = p.pool.candidates(&p.hashes);
+fn select(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> Decision {
+    let candidates = candidates(p.pool, &p.hashes);
     let ctx = RequestCtx {
         hashes: &p.hashes,
         prompt_tokens: p.prompt_tokens,
@@ -174,12 +294,12 @@ pub(crate) fn decide(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> (Decision,
     if apply {
         policy.apply(&decision, &p.hashes, now);
     }
-    (decision, candidates)
+    decision
 }
 
 /// The `/debug/explain` answer for a prepared request.
 pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared<'_>) -> ExplainResponse {
-    let (decision, _) = decide(fleet, p, false);
+    let decision = select(fleet, p, false);
     let candidates = decision
         .scores
         .iter()
@@ -188,7 +308,7 @@ pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared<'_>) -> ExplainRespo
             replica: p
                 .pool
                 .replica(s.worker.replica)
-                .map(|r| r.url.clone())
+                .map(|r| r.url().to_owned())
                 .unwrap_or_default(),
             rank: s.worker.rank.0,
             gpu_blocks: s.gpu_blocks,

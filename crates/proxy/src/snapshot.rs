@@ -1,0 +1,105 @@
+//! The one snapshot of the fleet's state: `/debug/replicas`, `/readyz`, the state series of
+//! `/metrics` and the operator CLI's `kinfctl status` all render from [`take`].
+//!
+//! Invariant: taking a snapshot reads atomics, takes the replica info and the index read locks
+//! briefly, one at a time, and never holds a lock across another or changes routing state.
+
+use kinference_events::{EventPlane, SyncState, WorkerHealth};
+use tokio::time::Instant;
+
+use crate::api::{EventStreamStatus, PoolStatus, ReplicaStatus, ReplicasResponse, WorkerStatus};
+use crate::fleet::{Fleet, Pool, Replica};
+use crate::scrape::roots_match;
+
+/// The state of every pool and replica now.
+pub(crate) fn take(fleet: &Fleet) -> ReplicasResponse {
+    let now = Instant::now();
+    ReplicasResponse {
+        pools: fleet.pools.iter().map(|p| pool(p, now)).collect(),
+    }
+}
+
+fn pool(pool: &Pool, now: Instant) -> PoolStatus {
+    let (index_entries, index_blocks) = pool.index_size();
+    let plane = pool.plane();
+    PoolStatus {
+        name: pool.name.clone(),
+        models: pool.models.clone(),
+        block_size: pool.block_size,
+        hash_algo: pool.hasher.algo().as_str().to_owned(),
+        policy: pool.policy_name.to_owned(),
+        index_entries,
+        index_blocks,
+        tracked_entries: pool.tracked_entries(),
+        replicas: pool
+            .replicas
+            .iter()
+            .map(|r| replica(pool, plane.as_deref(), r, now))
+            .collect(),
+    }
+}
+
+fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -> ReplicaStatus {
+    let workers = (0..r.dp_size())
+        .map(|rank| {
+            let worker = r.worker(rank);
+            let health = plane.and_then(|p| p.health(worker));
+            WorkerStatus {
+                rank: rank as u32,
+                worker: worker.to_string(),
+                load: r.workers[rank].snapshot(),
+                index_entries: pool.index.read().worker_entries(worker),
+                events: health.map(|h| events(pool, &h, now)),
+            }
+        })
+        .collect();
+    let info = r.info.lock();
+    ReplicaStatus {
+        url: r.url().to_owned(),
+        id: r.id.to_string(),
+        dp_ranks: r.dp_size() as u32,
+        health: r.health(),
+        last_error: info.last_error.clone(),
+        scorable: r.is_scorable(),
+        unscorable_reason: info.unscorable_reason.clone(),
+        cache_config: info.cache_config.clone(),
+        events_mode: r.events_mode.to_owned(),
+        events_error: info.events_error.clone(),
+        prefix_cache_hits: info.prefix_cache_hits,
+        prefix_cache_queries: info.prefix_cache_queries,
+        workers,
+    }
+}
+
+fn events(pool: &Pool, h: &WorkerHealth, now: Instant) -> EventStreamStatus {
+    EventStreamStatus {
+        endpoint: h.endpoint.clone(),
+        local_endpoint: h.local_endpoint.clone(),
+        connected: h.connected,
+        sync: sync_name(h.sync).to_owned(),
+        last_seq: h.last_seq,
+        applied_seq: h.applied_seq,
+        messages: h.messages,
+        batches_applied: h.batches_applied,
+        gaps: h.gaps,
+        replays_attempted: h.replays_attempted,
+        replays_succeeded: h.replays_succeeded,
+        replayed_batches: h.replayed_batches,
+        unrecoverable_gaps: h.unrecoverable_gaps,
+        resets: h.resets,
+        decode_errors: h.decode_errors,
+        socket_errors: h.socket_errors,
+        last_event_age_ms: h.last_event_age(now).map(|d| d.as_millis() as u64),
+        stored_block_size: h.stored_block_size,
+        root_hashes_match: roots_match(&pool.hasher, h),
+    }
+}
+
+fn sync_name(s: SyncState) -> &'static str {
+    match s {
+        SyncState::Connecting => "connecting",
+        SyncState::Synced => "synced",
+        SyncState::Resynced => "resynced",
+        SyncState::Stale => "stale",
+    }
+}
