@@ -13,7 +13,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kinference_events::{EventPlane, EventPlaneConfig, WorkerConfig};
+use kinference_events::{
+    resolve_endpoint, resolve_replay, EndpointError, EventPlane, EventPlaneConfig, WorkerConfig,
+};
 use kinference_index::{ReplicaId, WorkerId};
 use kinference_tokenize::Tokenizer;
 use kinference_vllm::metrics::ReplicaMetrics;
@@ -286,17 +288,13 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
     };
     let worker = WorkerId::new(ReplicaId(0), DpRank(0));
     let host = url_host(&base).unwrap_or_else(|| "127.0.0.1".to_owned());
-    // A wildcard host means the replica binds (whatever its spelling: vLLM's `*`, or the
-    // resolved `0.0.0.0` some servers report), so we dial its own host.
-    let mut wc = if dial_address(&events, &host) != events {
-        WorkerConfig::connect(worker.replica, worker.rank, &dial_address(&events, &host))
-    } else {
-        WorkerConfig::auto(worker.replica, worker.rank, &events, &events)
-    }
-    .with_topic(&topic);
-    if let Some(r) = &replay {
-        wc = wc.with_replay(&dial_address(r, &host));
-    }
+    let wc = match subscription(worker, &events, replay.as_deref(), &topic, &host) {
+        Ok(wc) => wc,
+        Err(e) => {
+            report.push("events", Status::Fail, format!("cannot subscribe: {e}"));
+            return Ok(report);
+        }
+    };
     let plane = EventPlane::start(EventPlaneConfig::default())?;
     if let Err(e) = plane.add_worker(wc).await {
         report.push(
@@ -610,15 +608,22 @@ async fn event_endpoints(
     Ok(Some((endpoint.to_owned(), replay, topic)))
 }
 
-/// Where we dial or bind for a replica-side endpoint: a wildcard host means the replica binds,
-/// so we dial the replica's own host.
-fn dial_address(endpoint: &str, replica_host: &str) -> String {
-    for wildcard in ["tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"] {
-        if let Some(port) = endpoint.strip_prefix(wildcard) {
-            return format!("tcp://{replica_host}:{port}");
-        }
+/// The stream to subscribe to for rank 0's reported endpoints, by the router's rule: a
+/// wildcard host means the replica binds, so we dial the replica's own host.
+fn subscription(
+    worker: WorkerId,
+    events: &str,
+    replay: Option<&str>,
+    topic: &str,
+    replica_host: &str,
+) -> Result<WorkerConfig, EndpointError> {
+    let mut wc = resolve_endpoint(events, 0, replica_host)?
+        .worker(worker.replica, worker.rank)
+        .with_topic(topic);
+    if let Some(r) = replay {
+        wc = wc.with_replay(&resolve_replay(r, 0, replica_host)?);
     }
-    endpoint.to_owned()
+    Ok(wc)
 }
 
 fn url_host(url: &str) -> Option<String> {
@@ -641,15 +646,28 @@ fn probe_nonce() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kinference_events::SocketMode;
 
     #[test]
     fn wildcard_endpoints_are_dialled_on_the_replica_host() {
-        assert_eq!(
-            dial_address("tcp://*:5557", "10.0.0.7"),
-            "tcp://10.0.0.7:5557"
-        );
-        assert_eq!(dial_address("tcp://0.0.0.0:1", "h"), "tcp://h:1");
-        assert_eq!(dial_address("tcp://10.0.0.1:9", "h"), "tcp://10.0.0.1:9");
+        let w = WorkerId::new(ReplicaId(0), DpRank(0));
+        let sub = |ep: &str, host: &str| subscription(w, ep, Some(ep), "", host).unwrap();
+        let wc = sub("tcp://*:5557", "10.0.0.7");
+        assert_eq!(wc.address, "tcp://10.0.0.7:5557");
+        assert_eq!(wc.mode, SocketMode::Connect);
+        assert_eq!(wc.replay.as_deref(), Some("tcp://10.0.0.7:5557"));
+        assert_eq!(sub("tcp://0.0.0.0:1", "h").address, "tcp://h:1");
+        for wildcard in ["::", "[::]", "[*]"] {
+            let wc = sub(&format!("tcp://{wildcard}:2"), "h");
+            assert_eq!(
+                (wc.address.as_str(), wc.mode),
+                ("tcp://h:2", SocketMode::Connect)
+            );
+        }
+        let wc = sub("tcp://10.0.0.1:9", "h");
+        assert_eq!(wc.address, "tcp://10.0.0.1:9");
+        assert_eq!(wc.mode, SocketMode::Bind);
+        assert!(subscription(w, "ipc:///tmp/kv", None, "", "h").is_err());
         assert_eq!(
             url_host("http://10.0.0.7:8000/x").as_deref(),
             Some("10.0.0.7")
