@@ -49,9 +49,8 @@ cleanup_pair() {
 trap 'cleanup; cleanup_pair' EXIT
 trap 'exit 130' INT TERM
 
-free_port() {
-  "$CACHE/venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# shellcheck source=lib/net.sh
+source scripts/lib/net.sh
 
 t=$(date +%s)
 scripts/real-vllm.sh install "$CACHE"
@@ -60,10 +59,7 @@ log "install: $(( $(date +%s) - t ))s"
 failed=()
 first=1
 for algo in $ALGOS; do
-  PORT=$(free_port); ev=$(free_port); replay=$(free_port)
-  while [ "$ev" = "$PORT" ] || [ "$replay" = "$PORT" ] || [ "$replay" = "$ev" ]; do
-    ev=$(free_port); replay=$(free_port)
-  done
+  read -r PORT ev replay < <(free_ports 3)
   t=$(date +%s)
   pidfile=$(mktemp)
   scripts/real-vllm.sh start "$CACHE" "$PORT" "$ev" "$replay" "$algo" "$NUM_BLOCKS" >"$pidfile" &
@@ -102,15 +98,6 @@ for algo in $ALGOS; do
   SERVER_PID=""; PORT=""
   log "stop: $(( $(date +%s) - t ))s"
 done
-
-# Distinct free ports, all held at once while they are chosen.
-free_ports() {
-  "$CACHE/venv/bin/python" -c '
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks: s.bind(("127.0.0.1", 0))
-print(" ".join(str(s.getsockname()[1]) for s in socks))' "$1"
-}
 
 # The router in front of two replicas: both servers start together (their torch imports
 # overlap), the test runs against both, and both stop whatever happens.

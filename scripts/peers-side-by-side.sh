@@ -86,6 +86,8 @@ show_logs() {
 die() { DIED=1; log "error: $*"; show_logs; exit 1; }
 # shellcheck source=lib/proc.sh
 source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
 cleanup() {
   local rc=$? i
   [ "$rc" -ne 0 ] && [ -z "${DIED:-}" ] && show_logs
@@ -107,58 +109,15 @@ rm -rf "$LOGS"
 mkdir -p "$LOGS"
 command -v python3 >/dev/null || die "no python3 on PATH (used to pick free ports and wait for readiness)"
 
-free_ports() {
-  python3 - "$1" <<'PYEOF'
-import socket, sys
-socks = [socket.socket() for _ in range(int(sys.argv[1]))]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))
-PYEOF
-}
-
-# Wait until URL answers 200 (GET) while PID lives; $3 is the deadline in seconds.
-wait_http() {
-  python3 - "$1" "$2" "$3" <<'PYEOF'
-import os, sys, time, urllib.error, urllib.request
-url, pid, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-deadline, last = time.monotonic() + secs, "no answer"
-while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("exited")
-    try:
-        with urllib.request.urlopen(url, timeout=2) as r:
-            if r.status == 200:
-                sys.exit(0)
-            last = f"HTTP {r.status}"
-    except urllib.error.HTTPError as e:
-        last = f"HTTP {e.code}"
-    except (urllib.error.URLError, ConnectionError, OSError) as e:
-        last = str(e)
-    time.sleep(0.1)
-sys.exit(f"no 200 from {url} within {secs:.0f} s (last: {last})")
-PYEOF
-}
-
-# --- four replicas on free ports, events and replay bound on free ports
+# --- four replicas, HTTP, events and replay on ports they pick (port 0)
 NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port 0 --replicas "$REPLICAS" --served-model-name "$MODEL" \
   --tokenizer "$TOKENIZER" --block-size "$BLOCK" --num-gpu-blocks "$GPU_BLOCKS" --speedup "$SIM_SPEEDUP" \
   --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://*:0' >"$LOGS/sim.out" 2>"$LOGS/sim.err" &
 PIDS+=($!)
 SIM_PID=$!
 LAST=$((REPLICAS - 1))
-for _ in $(seq 1 300); do
-  grep -q "^replica=$LAST " "$LOGS/sim.out" 2>/dev/null && break
-  kill -0 "$SIM_PID" 2>/dev/null || die "the simulator exited"
-  sleep 0.1
-done
-grep -q "^replica=$LAST " "$LOGS/sim.out" || die "the simulator printed no line for replica $LAST in 30 s"
+wait_sim_replicas "$LOGS/sim.out" "$SIM_PID" "$REPLICAS" 30 || die "the simulator did not start"
 
-# `replica=I url=http://A dp_ranks=R events=tcp://*:P replay=tcp://*:Q` -> a --replica flag.
-field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
-dial() { sed -E 's#^tcp://[^:]*:#tcp://127.0.0.1:#' <<<"$1"; }
 REPLICA_FLAGS=()
 URLS=()
 METRICS_FLAGS=()
@@ -176,38 +135,15 @@ done
 TARGETS=()
 start_kinference() {
   local name=$1 policy=$2 data admin pid
-  read -r data admin < <(free_ports 2)
-  NO_COLOR=1 "$BIN" serve --listen "127.0.0.1:$data" --admin "127.0.0.1:$admin" \
+  NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
     --model "$MODEL" --tokenizer "$TOKENIZER" --block-size "$BLOCK" --policy "$policy" \
     --scrape-interval-ms 200 "${REPLICA_FLAGS[@]}" >"$LOGS/$name.out" 2>"$LOGS/$name.err" &
   pid=$!
   PIDS+=("$pid")
-  # Ready (every replica scraped up) and, for the precise policy, subscribed to every event
-  # stream, so the first requests' blocks reach the index.
-  python3 - "http://127.0.0.1:$admin" "$pid" "$REPLICAS" <<'PYEOF' || die "$name never became ready"
-import json, os, sys, time, urllib.error, urllib.request
-admin, pid, want = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-deadline, last = time.monotonic() + 30, "no answer"
-while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("the router exited")
-    try:
-        ready = json.load(urllib.request.urlopen(f"{admin}/readyz", timeout=2))
-        fleet = json.load(urllib.request.urlopen(f"{admin}/debug/replicas", timeout=2))
-        reps = [r for p in fleet["pools"] for r in p["replicas"]]
-        subscribed = all(w["events"] and w["events"]["connected"] for r in reps for w in r["workers"])
-        if ready["ready"] and len(reps) == want and all(r["scorable"] for r in reps) and subscribed:
-            sys.exit(0)
-        last = json.dumps(fleet)[:2000]
-    except (urllib.error.URLError, ConnectionError, OSError, KeyError, TypeError) as e:
-        last = f"readyz: {e.code}" if isinstance(e, urllib.error.HTTPError) else str(e)
-    time.sleep(0.1)
-sys.exit(f"not ready within 30 s; last state: {last}")
-PYEOF
-  TARGETS+=(--target "$name=http://127.0.0.1:$data")
-  log "$name: kinference serve --policy $policy on 127.0.0.1:$data (admin $admin)"
+  read -r data admin < <(router_addrs "$LOGS/$name.err" "$pid" 30) || die "$name did not start"
+  wait_router_ready "http://$admin" "$pid" "$REPLICAS" 30 || die "$name never became ready"
+  TARGETS+=(--target "$name=http://$data")
+  log "$name: kinference serve --policy $policy on $data (admin $admin)"
 }
 start_kinference kinference "$KINFERENCE_POLICY"
 start_kinference round-robin round-robin

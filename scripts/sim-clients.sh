@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # sim-clients.sh - real clients, unmodified, against `kinference sim`.
 #
-# Starts one simulated replica on free ports and runs
+# Starts one simulated replica (on ports it picks) and runs
 #   (a) the official openai Python SDK (scripts/sim_clients_openai.py): completions and chat,
 #       plain and streaming, usage and cached tokens, n, stop, logprobs, errors;
 #   (b) inference-perf 0.7.0 with `data.type: shared_prefix`, streaming completions at a
@@ -29,10 +29,15 @@ T0=$(date +%s)
 log() { echo "[sim-clients +$(( $(date +%s) - T0 ))s] $*"; }
 die() { log "error: $*"; exit 1; }
 
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
+
 WORK=$(mktemp -d)
 SIM_PID=""
 cleanup() {
-  [ -n "$SIM_PID" ] && kill "$SIM_PID" 2>/dev/null && wait "$SIM_PID" 2>/dev/null
+  stop "$SIM_PID"
   rm -rf "$WORK"
   return 0
 }
@@ -85,18 +90,14 @@ if ! satisfied; then
 fi
 PY=$VENV/bin/python
 
-# --- one replica on free ports
+# --- one replica, on ports it picks (port 0)
 "$BIN" "${SUB[@]}" --host 127.0.0.1 --port 0 --model "$MODEL" --tokenizer "$TOKENIZER" \
   --block-size 16 --num-gpu-blocks 2048 --max-model-len 4096 --speedup 20 \
   --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://*:0' >"$WORK/sim.out" 2>"$WORK/sim.err" &
 SIM_PID=$!
-for _ in $(seq 1 300); do
-  grep -q '^replica=0 ' "$WORK/sim.out" 2>/dev/null && break
-  kill -0 "$SIM_PID" 2>/dev/null || { cat "$WORK/sim.err" >&2; die "the simulator exited"; }
-  sleep 0.1
-done
-LINE=$(grep '^replica=0 ' "$WORK/sim.out") || die "the simulator printed no replica line"
-URL=$(tr ' ' '\n' <<<"$LINE" | sed -n 's/^url=//p')
+wait_sim_replicas "$WORK/sim.out" "$SIM_PID" 1 30 || { cat "$WORK/sim.err" >&2; die "the simulator did not start"; }
+LINE=$(grep '^replica=0 ' "$WORK/sim.out")
+URL=$(field "$LINE" url)
 log "simulator: $LINE"
 curl -sf "$URL/health" >/dev/null || die "$URL/health failed"
 

@@ -1,16 +1,40 @@
-# proc.sh - process helpers sourced by the scripts that start kinference processes.
+# proc.sh - process helpers sourced by the scripts that start processes (kinference, vLLM,
+# peers, nginx). Every stop is by process id, never by name.
 
-# stop PID: SIGTERM (kinference drains on it), then SIGKILL if it has not exited within 10 s.
-# Returns 0 whatever happened, so cleanup traps can call it on every path.
+# stop PID [SECS]: SIGTERM (kinference drains on it), then SIGKILL if it has not exited within
+# SECS seconds (default 10). Returns 0 whatever happened, so cleanup traps can call it on every
+# path.
 stop() {
-  local pid=$1
+  local pid=$1 secs=${2:-10} i
   [ -n "$pid" ] || return 0
   kill "$pid" 2>/dev/null || return 0
-  for _ in $(seq 1 100); do
+  for i in $(seq 1 $(( secs * 10 ))); do
     kill -0 "$pid" 2>/dev/null || { wait "$pid" 2>/dev/null || true; return 0; }
     sleep 0.1
   done
   kill -9 "$pid" 2>/dev/null || true
   wait "$pid" 2>/dev/null || true
+  return 0
+}
+
+# descendants PID: the ids of PID's children, their children, and so on.
+descendants() {
+  local child
+  for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+    echo "$child"
+    descendants "$child"
+  done
+}
+
+# stop_tree PID [SECS]: stop PID as `stop` does, then SIGKILL every process it had spawned
+# (listed before the stop) that is still there: a vLLM API server's engine core, a router's
+# workers, an nginx master's workers can outlive a parent that dies abruptly. Returns 0.
+stop_tree() {
+  local pid=$1 secs=${2:-10} kids
+  [ -n "$pid" ] || return 0
+  kids=$(descendants "$pid")
+  stop "$pid" "$secs"
+  # shellcheck disable=SC2086 # kids is a list of pids
+  [ -z "$kids" ] || kill -KILL $kids 2>/dev/null || true
   return 0
 }

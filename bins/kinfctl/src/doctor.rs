@@ -13,7 +13,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use kinference_events::{EventPlane, EventPlaneConfig, WorkerConfig};
+use kinference_events::{
+    resolve_endpoint, resolve_replay, EndpointError, EventPlane, EventPlaneConfig, WorkerConfig,
+};
 use kinference_index::{ReplicaId, WorkerId};
 use kinference_tokenize::Tokenizer;
 use kinference_vllm::metrics::ReplicaMetrics;
@@ -132,7 +134,8 @@ pub fn run(args: &DoctorArgs) -> Result<(bool, String)> {
     Ok((report.hashes_match, text))
 }
 
-/// Runs every check against the replica.
+/// Runs every check against the replica, in order; a check that makes the next ones
+/// meaningless ends the report early.
 pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
     let base = args.replica.trim_end_matches('/').to_owned();
     let http = reqwest::Client::builder()
@@ -142,9 +145,67 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
         replica: base.clone(),
         ..Report::default()
     };
+    let model = check_replica(&mut report, &http, &base, args).await?;
+    let target = Target { http, base, model };
+    let (block_size, algo) = check_config(&mut report, &target, args).await?;
+    let probe = Probe::new(&target, block_size).await?;
+    check_tokenizer(&mut report, args, &probe)?;
+    let Some(events) = subscribe(&mut report, &target, args).await? else {
+        return Ok(report);
+    };
+    let hasher = BlockHasher::new(
+        algo,
+        block_size,
+        args.seed.as_deref(),
+        args.extra_keys_format,
+    )?;
+    let expected: Vec<BlockHash> = hasher
+        .hash_blocks(&probe.ids, &RequestExtras::default())
+        .iter()
+        .map(|d| d.event_hash())
+        .collect();
+    check_hashes(
+        &mut report,
+        &target,
+        &events,
+        &probe,
+        &expected,
+        (block_size, algo),
+        args,
+    )
+    .await?;
+    if report.hashes_match {
+        check_cached(&mut report, &target, &events, &probe, &expected, block_size).await?;
+    }
+    events.plane.shutdown().await;
+    Ok(report)
+}
 
-    // 1. Reachable, and which model.
-    let models: Value = get_json(&http, &format!("{base}/v1/models")).await?;
+/// The replica under test and the model the probe is sent to.
+struct Target {
+    http: reqwest::Client,
+    base: String,
+    model: String,
+}
+
+impl Target {
+    async fn tokens(&self, text: &str) -> Result<Vec<u32>> {
+        replica_tokens(&self.http, &self.base, &self.model, text).await
+    }
+
+    async fn complete(&self, ids: &[u32]) -> Result<Value> {
+        complete(&self.http, &self.base, &self.model, ids).await
+    }
+}
+
+/// Check 1: Reachable, and which model: `--model` if the replica serves it, else its first.
+async fn check_replica(
+    report: &mut Report,
+    http: &reqwest::Client,
+    base: &str,
+    args: &DoctorArgs,
+) -> Result<String> {
+    let models: Value = get_json(http, &format!("{base}/v1/models")).await?;
     let served: Vec<String> = models["data"]
         .as_array()
         .map(|a| {
@@ -164,10 +225,19 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
         Status::Ok,
         format!("serves {served:?}; probing {model:?}"),
     );
+    Ok(model)
+}
 
-    // 2. Cache configuration from /metrics, against the router's settings.
-    let metrics_text = http
-        .get(format!("{base}/metrics"))
+/// Check 2: Cache configuration from `/metrics`, against the router's settings; returns the block
+/// size and algorithm the router would use (its own where given, else the replica's).
+async fn check_config(
+    report: &mut Report,
+    target: &Target,
+    args: &DoctorArgs,
+) -> Result<(usize, HashAlgo)> {
+    let metrics_text = target
+        .http
+        .get(format!("{}/metrics", target.base))
         .send()
         .await?
         .error_for_status()?
@@ -232,71 +302,99 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
             ),
         );
     }
+    Ok((block_size, algo))
+}
 
-    // 3. Tokenization: a probe no cache holds yet, long enough for several blocks.
-    let nonce = probe_nonce();
-    let mut text = format!("kinference doctor probe {nonce}.");
-    let ids = loop {
-        let ids = replica_tokens(&http, &base, &model, &text).await?;
-        if ids.len() > block_size * 4 || text.len() > 200_000 {
-            break ids;
-        }
-        text.push_str(" The router checks that it hashes blocks exactly as this replica does.");
-    };
-    match &args.tokenizer {
-        Some(dir) => {
-            let tok = Tokenizer::from_dir(dir)
-                .with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
-            let local = tok.encode_completion(&text)?;
-            if local == ids {
-                report.push(
-                    "tokenize",
-                    Status::Ok,
-                    format!(
-                        "{} ids equal (local tokenizer and the replica's /tokenize)",
-                        ids.len()
-                    ),
-                );
-            } else {
-                let at = local.iter().zip(&ids).take_while(|(a, b)| a == b).count();
-                report.push(
-                    "tokenize",
-                    Status::Fail,
-                    format!(
-                        "ids differ at position {at} (local {:?}, replica {:?}; {} vs {} ids): tokenizer files or special tokens differ",
-                        local.get(at),
-                        ids.get(at),
-                        local.len(),
-                        ids.len()
-                    ),
-                );
+/// A prompt no cache holds yet, long enough for several blocks, as the replica tokenizes it.
+struct Probe {
+    nonce: String,
+    text: String,
+    ids: Vec<u32>,
+}
+
+impl Probe {
+    async fn new(target: &Target, block_size: usize) -> Result<Probe> {
+        let nonce = probe_nonce();
+        let mut text = format!("kinference doctor probe {nonce}.");
+        let ids = loop {
+            let ids = target.tokens(&text).await?;
+            if ids.len() > block_size * 4 || text.len() > 200_000 {
+                break ids;
             }
-        }
-        None => report.push("tokenize", Status::Skip, "no --tokenizer given"),
+            text.push_str(" The router checks that it hashes blocks exactly as this replica does.");
+        };
+        Ok(Probe { nonce, text, ids })
     }
+}
 
-    // 4. Events.
-    let Some((events, replay, topic)) = event_endpoints(args, &http, &base).await? else {
+/// Check 3: Tokenization: the router's tokenizer against the replica's `/tokenize`.
+fn check_tokenizer(report: &mut Report, args: &DoctorArgs, probe: &Probe) -> Result<()> {
+    let Some(dir) = &args.tokenizer else {
+        report.push("tokenize", Status::Skip, "no --tokenizer given");
+        return Ok(());
+    };
+    let tok = Tokenizer::from_dir(dir)
+        .with_context(|| format!("loading the tokenizer in {}", dir.display()))?;
+    let local = tok.encode_completion(&probe.text)?;
+    let ids = &probe.ids;
+    if &local == ids {
+        report.push(
+            "tokenize",
+            Status::Ok,
+            format!(
+                "{} ids equal (local tokenizer and the replica's /tokenize)",
+                ids.len()
+            ),
+        );
+    } else {
+        let at = local.iter().zip(ids).take_while(|(a, b)| a == b).count();
+        report.push(
+            "tokenize",
+            Status::Fail,
+            format!(
+                "ids differ at position {at} (local {:?}, replica {:?}; {} vs {} ids): tokenizer files or special tokens differ",
+                local.get(at),
+                ids.get(at),
+                local.len(),
+                ids.len()
+            ),
+        );
+    }
+    Ok(())
+}
+
+/// A live subscription to the replica's rank-0 event stream.
+struct Events {
+    plane: EventPlane,
+    worker: WorkerId,
+    timeout: Duration,
+}
+
+/// Check 4: Events: subscribes to rank 0's stream and waits for the publisher; `None` (with the
+/// failure reported) when that is not possible.
+async fn subscribe(
+    report: &mut Report,
+    target: &Target,
+    args: &DoctorArgs,
+) -> Result<Option<Events>> {
+    let base = &target.base;
+    let Some((events, replay, topic)) = event_endpoints(args, &target.http, base).await? else {
         report.push(
             "events",
             Status::Fail,
             "the replica publishes no KV events (no --kv-events-config, or /kv_event_sources empty)",
         );
-        return Ok(report);
+        return Ok(None);
     };
     let worker = WorkerId::new(ReplicaId(0), DpRank(0));
-    let host = url_host(&base).unwrap_or_else(|| "127.0.0.1".to_owned());
-    // A wildcard host means the replica binds (whatever its spelling: vLLM's `*`, or the
-    // resolved `0.0.0.0` some servers report), so we dial its own host.
-    let mut wc = if dial_address(&events, &host) != events {
-        WorkerConfig::connect(worker.replica, worker.rank, &dial_address(&events, &host))
-    } else {
-        WorkerConfig::auto(worker.replica, worker.rank, &events, &events)
-    }
-    .with_topic(&topic);
-    if let Some(r) = &replay {
-        wc = wc.with_replay(&dial_address(r, &host));
-    }
+    let host = url_host(base).unwrap_or_else(|| "127.0.0.1".to_owned());
+    let wc = match subscription(worker, &events, replay.as_deref(), &topic, &host) {
+        Ok(wc) => wc,
+        Err(e) => {
+            report.push("events", Status::Fail, format!("cannot subscribe: {e}"));
+            return Ok(None);
+        }
+    };
     let plane = EventPlane::start(EventPlaneConfig::default())?;
     if let Err(e) = plane.add_worker(wc).await {
         report.push(
@@ -305,88 +403,63 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
             format!("cannot subscribe to {events}: {e} (a running router may already hold this address)"),
         );
         plane.shutdown().await;
-        return Ok(report);
+        return Ok(None);
     }
     let timeout = Duration::from_secs(args.timeout_secs.max(1));
-    let connected = plane.wait_for(worker, timeout, |h| h.connected).await;
-    if connected.is_err() {
+    if plane
+        .wait_for(worker, timeout, |h| h.connected)
+        .await
+        .is_err()
+    {
         report.push(
             "events",
             Status::Fail,
             format!("no publisher connected within {timeout:?} ({events})"),
         );
         plane.shutdown().await;
-        return Ok(report);
+        return Ok(None);
     }
+    let replay = replay.map(|r| format!(", replay {r}")).unwrap_or_default();
     report.push(
         "events",
         Status::Ok,
-        format!(
-            "subscribed to {events}{}",
-            replay
-                .as_deref()
-                .map(|r| format!(", replay {r}"))
-                .unwrap_or_default()
-        ),
+        format!("subscribed to {events}{replay}"),
     );
+    Ok(Some(Events {
+        plane,
+        worker,
+        timeout,
+    }))
+}
 
-    // 5. The probe, and its hashes as the router computes them.
-    let hasher = BlockHasher::new(
-        algo,
-        block_size,
-        args.seed.as_deref(),
-        args.extra_keys_format,
-    )?;
-    let expected: Vec<BlockHash> = hasher
-        .hash_blocks(&ids, &RequestExtras::default())
-        .iter()
-        .map(|d| d.event_hash())
-        .collect();
-    let before = plane.health(worker).map_or(0, |h| h.batches_applied);
-    let index = plane.index();
-    let holds_all = |hs: &[BlockHash]| {
-        let idx = index.read();
-        !hs.is_empty() && hs.iter().all(|&h| idx.holds(worker, h, Tier::Gpu))
-    };
-    complete(&http, &base, &model, &ids).await?;
-    // Wait for the probe's blocks under our hashes; once some batch arrived after the probe,
-    // a quiet spell means the replica has announced everything the probe filled.
-    const QUIET: Duration = Duration::from_millis(300);
-    const NUDGE: Duration = Duration::from_secs(1);
-    let mut nudges = 0u32;
-    let deadline = tokio::time::Instant::now() + timeout;
-    let mut seen = before;
-    while !holds_all(&expected) {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
-        if left.is_zero() {
-            break;
-        }
-        let wait = if seen > before {
-            left.min(QUIET)
-        } else {
-            left.min(NUDGE)
-        };
-        match plane
-            .wait_for(worker, wait, |h| h.batches_applied > seen)
-            .await
-        {
-            Ok(h) => seen = h.batches_applied,
-            Err(_) if seen > before => break,
-            Err(_) => {
-                // A subscription only reaches the publisher some time after the connection
-                // (ZMQ's slow joiner), so the probe's batch may have been dropped. Any later
-                // batch reveals the gap, and replay fetches what was missed.
-                nudges += 1;
-                // Long enough to fill whole blocks: only full blocks produce events.
-                let nudge = format!("kinference doctor nudge {nonce} {nudges}: ")
-                    .repeat((block_size * 2 / 4).max(8));
-                let nudge_ids = replica_tokens(&http, &base, &model, &nudge).await?;
-                complete(&http, &base, &model, &nudge_ids).await?;
-            }
-        }
+impl Events {
+    fn holds_all(&self, hashes: &[BlockHash]) -> bool {
+        let idx = self.plane.index();
+        let idx = idx.read();
+        !hashes.is_empty() && hashes.iter().all(|&h| idx.holds(self.worker, h, Tier::Gpu))
     }
-    let seen = plane.health(worker).map_or(seen, |h| h.batches_applied);
-    if holds_all(&expected) {
+
+    fn batches_applied(&self) -> Option<u64> {
+        self.plane.health(self.worker).map(|h| h.batches_applied)
+    }
+}
+
+/// Check 5: Sends the probe and checks its blocks arrive under the hashes the router computes;
+/// on a mismatch, names the setting that differs.
+async fn check_hashes(
+    report: &mut Report,
+    target: &Target,
+    events: &Events,
+    probe: &Probe,
+    expected: &[BlockHash],
+    (block_size, algo): (usize, HashAlgo),
+    args: &DoctorArgs,
+) -> Result<()> {
+    let before = events.batches_applied().unwrap_or(0);
+    target.complete(&probe.ids).await?;
+    let seen = await_probe_blocks(target, events, probe, expected, block_size, before).await?;
+    let seen = events.batches_applied().unwrap_or(seen);
+    if events.holds_all(expected) {
         report.hashes_match = true;
         report.push(
             "hashes",
@@ -398,12 +471,13 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
             ),
         );
     } else if seen == before {
-        let h = plane.health(worker);
+        let h = events.plane.health(events.worker);
         report.push(
             "hashes",
             Status::Fail,
             format!(
-                "no KV events applied within {timeout:?} after the probe (wrong endpoint or topic?); stream: {}",
+                "no KV events applied within {:?} after the probe (wrong endpoint or topic?); stream: {}",
+                events.timeout,
                 h.map_or_else(
                     || "gone".to_owned(),
                     |h| format!(
@@ -418,47 +492,95 @@ pub async fn diagnose(args: &DoctorArgs) -> Result<Report> {
         report.push(
             "hashes",
             Status::Fail,
-            explain_mismatch(&ids, block_size, algo, args, |hs| holds_all(hs)),
+            explain_mismatch(&probe.ids, block_size, algo, args, |hs| {
+                events.holds_all(hs)
+            }),
         );
     }
+    Ok(())
+}
 
-    // 6. The replica's own count of cached tokens against the index's prediction.
-    if report.hashes_match {
-        let usage = complete(&http, &base, &model, &ids).await?;
-        let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
-        let held = index
-            .read()
-            .longest_prefix(&expected)
-            .get(worker)
-            .map_or(0, |t| t.gpu);
-        // vLLM always computes the last prompt token, so at most len - 1 tokens can be served
-        // from cache, in whole blocks.
-        let cap = (ids.len().saturating_sub(1) / block_size) * block_size;
-        let predicted = (held as usize * block_size).min(cap) as u64;
-        match cached {
-            Some(c) if c == predicted => report.push(
-                "cached",
-                Status::Ok,
-                format!(
-                    "second probe: replica reports {c} cached tokens, index predicts {predicted}"
-                ),
-            ),
-            Some(c) => report.push(
-                "cached",
-                Status::Warn,
-                format!(
-                    "second probe: replica reports {c} cached tokens, index predicts {predicted}"
-                ),
-            ),
-            None => report.push(
-                "cached",
-                Status::Skip,
-                "the replica reports no usage.prompt_tokens_details.cached_tokens",
-            ),
+/// Waits for the probe's blocks under `expected`; returns the batches applied so far. Once
+/// some batch arrived after the probe, a quiet spell means the replica has announced
+/// everything the probe filled.
+async fn await_probe_blocks(
+    target: &Target,
+    events: &Events,
+    probe: &Probe,
+    expected: &[BlockHash],
+    block_size: usize,
+    before: u64,
+) -> Result<u64> {
+    const QUIET: Duration = Duration::from_millis(300);
+    const NUDGE: Duration = Duration::from_secs(1);
+    let mut nudges = 0u32;
+    let deadline = tokio::time::Instant::now() + events.timeout;
+    let mut seen = before;
+    while !events.holds_all(expected) {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left.is_zero() {
+            break;
+        }
+        let wait = left.min(if seen > before { QUIET } else { NUDGE });
+        match events
+            .plane
+            .wait_for(events.worker, wait, |h| h.batches_applied > seen)
+            .await
+        {
+            Ok(h) => seen = h.batches_applied,
+            Err(_) if seen > before => break,
+            Err(_) => {
+                // A subscription only reaches the publisher some time after the connection
+                // (ZMQ's slow joiner), so the probe's batch may have been dropped. Any later
+                // batch reveals the gap, and replay fetches what was missed.
+                nudges += 1;
+                // Long enough to fill whole blocks: only full blocks produce events.
+                let nudge = format!("kinference doctor nudge {} {nudges}: ", probe.nonce)
+                    .repeat((block_size * 2 / 4).max(8));
+                let nudge_ids = target.tokens(&nudge).await?;
+                target.complete(&nudge_ids).await?;
+            }
         }
     }
-    plane.shutdown().await;
-    Ok(report)
+    Ok(seen)
+}
+
+/// Check 6: The replica's own count of cached tokens for a second probe against the index's
+/// prediction.
+async fn check_cached(
+    report: &mut Report,
+    target: &Target,
+    events: &Events,
+    probe: &Probe,
+    expected: &[BlockHash],
+    block_size: usize,
+) -> Result<()> {
+    let usage = target.complete(&probe.ids).await?;
+    let cached = usage["prompt_tokens_details"]["cached_tokens"].as_u64();
+    let held = events
+        .plane
+        .index()
+        .read()
+        .longest_prefix(expected)
+        .get(events.worker)
+        .map_or(0, |t| t.gpu);
+    // vLLM always computes the last prompt token, so at most len - 1 tokens can be served
+    // from cache, in whole blocks.
+    let cap = (probe.ids.len().saturating_sub(1) / block_size) * block_size;
+    let predicted = (held as usize * block_size).min(cap) as u64;
+    let line = |c: u64| {
+        format!("second probe: replica reports {c} cached tokens, index predicts {predicted}")
+    };
+    match cached {
+        Some(c) if c == predicted => report.push("cached", Status::Ok, line(c)),
+        Some(c) => report.push("cached", Status::Warn, line(c)),
+        None => report.push(
+            "cached",
+            Status::Skip,
+            "the replica reports no usage.prompt_tokens_details.cached_tokens",
+        ),
+    }
+    Ok(())
 }
 
 /// Names the setting that makes the hashes differ, by trying the others against the index.
@@ -610,15 +732,22 @@ async fn event_endpoints(
     Ok(Some((endpoint.to_owned(), replay, topic)))
 }
 
-/// Where we dial or bind for a replica-side endpoint: a wildcard host means the replica binds,
-/// so we dial the replica's own host.
-fn dial_address(endpoint: &str, replica_host: &str) -> String {
-    for wildcard in ["tcp://*:", "tcp://0.0.0.0:", "tcp://[::]:"] {
-        if let Some(port) = endpoint.strip_prefix(wildcard) {
-            return format!("tcp://{replica_host}:{port}");
-        }
+/// The stream to subscribe to for rank 0's reported endpoints, by the router's rule: a
+/// wildcard host means the replica binds, so we dial the replica's own host.
+fn subscription(
+    worker: WorkerId,
+    events: &str,
+    replay: Option<&str>,
+    topic: &str,
+    replica_host: &str,
+) -> Result<WorkerConfig, EndpointError> {
+    let mut wc = resolve_endpoint(events, 0, replica_host)?
+        .worker(worker.replica, worker.rank)
+        .with_topic(topic);
+    if let Some(r) = replay {
+        wc = wc.with_replay(&resolve_replay(r, 0, replica_host)?);
     }
-    endpoint.to_owned()
+    Ok(wc)
 }
 
 fn url_host(url: &str) -> Option<String> {
@@ -641,15 +770,28 @@ fn probe_nonce() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kinference_events::SocketMode;
 
     #[test]
     fn wildcard_endpoints_are_dialled_on_the_replica_host() {
-        assert_eq!(
-            dial_address("tcp://*:5557", "10.0.0.7"),
-            "tcp://10.0.0.7:5557"
-        );
-        assert_eq!(dial_address("tcp://0.0.0.0:1", "h"), "tcp://h:1");
-        assert_eq!(dial_address("tcp://10.0.0.1:9", "h"), "tcp://10.0.0.1:9");
+        let w = WorkerId::new(ReplicaId(0), DpRank(0));
+        let sub = |ep: &str, host: &str| subscription(w, ep, Some(ep), "", host).unwrap();
+        let wc = sub("tcp://*:5557", "10.0.0.7");
+        assert_eq!(wc.address, "tcp://10.0.0.7:5557");
+        assert_eq!(wc.mode, SocketMode::Connect);
+        assert_eq!(wc.replay.as_deref(), Some("tcp://10.0.0.7:5557"));
+        assert_eq!(sub("tcp://0.0.0.0:1", "h").address, "tcp://h:1");
+        for wildcard in ["::", "[::]", "[*]"] {
+            let wc = sub(&format!("tcp://{wildcard}:2"), "h");
+            assert_eq!(
+                (wc.address.as_str(), wc.mode),
+                ("tcp://h:2", SocketMode::Connect)
+            );
+        }
+        let wc = sub("tcp://10.0.0.1:9", "h");
+        assert_eq!(wc.address, "tcp://10.0.0.1:9");
+        assert_eq!(wc.mode, SocketMode::Bind);
+        assert!(subscription(w, "ipc:///tmp/kv", None, "", "h").is_err());
         assert_eq!(
             url_host("http://10.0.0.7:8000/x").as_deref(),
             Some("10.0.0.7")

@@ -8,28 +8,18 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use kinference_proxy::api::{ExplainResponse, Health, ReplicasResponse};
-use kinference_proxy::{Config, EventsSpec, PoolConfig, Proxy, ReplicaSpec};
-use kinference_sim::EngineConfig;
-use kinference_sim_server::{KvEventsConfig, Server, ServerConfig};
+use kinference_proxy::{Config, PoolConfig, Proxy, ReplicaSpec};
+use kinference_sim_server::Server;
+use kinference_testkit::sim::{self, replica_with_events};
+use kinference_testkit::{tokenizer_dir, WAIT};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 
 const MODEL: &str = "tiny";
 const BLOCK: u64 = 32;
-const WAIT: Duration = Duration::from_secs(20);
-
-fn tokenizer_dir() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer");
-    p.canonicalize()
-        .unwrap_or_else(|e| panic!("reference tokenizer missing at {}: {e}", p.display()))
-}
-
 /// A long shared prefix (about 1,000 tokens) and a question that differs per request.
 fn prompt(question: &str) -> String {
     let mut s = String::from("Operator manual. ");
@@ -43,34 +33,13 @@ fn prompt(question: &str) -> String {
 }
 
 async fn sim() -> Server {
-    let engine = EngineConfig::small(600, BLOCK as usize);
-    let mut cfg = ServerConfig::new(MODEL, engine, tokenizer_dir(), 1000.0);
-    let mut kv = KvEventsConfig::new("tcp://*:0");
-    kv.replay_endpoint = Some("tcp://*:0".into());
-    cfg.kv_events = Some(kv);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Server::start(cfg, listener).await.unwrap()
+    let mut cfg = sim::config(MODEL, 600, BLOCK as usize, 1000.0);
+    cfg.kv_events = Some(sim::events_on_port_zero());
+    sim::start(cfg).await
 }
 
 fn url(addr: SocketAddr) -> String {
     format!("http://{addr}")
-}
-
-/// The sim's bound endpoint (`tcp://0.0.0.0:PORT`) as a loopback address to dial.
-fn loopback(bound: &str) -> String {
-    let port = bound.rsplit(':').next().unwrap();
-    format!("tcp://127.0.0.1:{port}")
-}
-
-fn replica_with_events(s: &Server) -> ReplicaSpec {
-    let eps = s.endpoints.clone().unwrap();
-    let mut r = ReplicaSpec::new(&url(s.addr));
-    r.events = Some(EventsSpec {
-        connect: Some(loopback(eps.events.as_deref().unwrap())),
-        replay: eps.replay.as_deref().map(loopback),
-        ..EventsSpec::default()
-    });
-    r
 }
 
 /// A router on port 0 (data and admin) with one pool of `replicas`. Speculation is off, so a

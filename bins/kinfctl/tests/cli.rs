@@ -5,20 +5,10 @@
 // Helpers below run only inside tests, where a panic is the failure report.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use kinference_testkit::shared_dir;
 use serde_json::Value;
-
-fn shared_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    dir.canonicalize().unwrap_or_else(|e| {
-        panic!(
-            "reference files missing: {} ({e}); the golden vectors are required",
-            dir.display()
-        )
-    })
-}
 
 fn kinfctl(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_kinfctl"))

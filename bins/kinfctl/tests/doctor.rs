@@ -3,29 +3,16 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
 use std::process::Command;
 
-use kinference_sim::EngineConfig;
-use kinference_sim_server::{KvEventsConfig, Server, ServerConfig};
-use tokio::net::TcpListener;
-
-fn tokenizer_dir() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer");
-    p.canonicalize()
-        .unwrap_or_else(|e| panic!("reference tokenizer missing at {}: {e}", p.display()))
-}
+use kinference_sim_server::Server;
+use kinference_testkit::{sim, tokenizer_dir};
 
 async fn replica() -> Server {
-    let mut engine = EngineConfig::small(400, 32);
-    engine.max_model_len = 4096;
-    let mut kv = KvEventsConfig::new("tcp://*:0");
-    kv.replay_endpoint = Some("tcp://*:0".into());
-    let mut cfg = ServerConfig::new("tiny", engine, tokenizer_dir(), 1000.0);
-    cfg.kv_events = Some(kv);
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Server::start(cfg, listener).await.unwrap()
+    let mut cfg = sim::config("tiny", 400, 32, 1000.0);
+    cfg.engine.max_model_len = 4096;
+    cfg.kv_events = Some(sim::events_on_port_zero());
+    sim::start(cfg).await
 }
 
 /// Runs the binary off the runtime's threads (the replica keeps serving meanwhile).

@@ -269,10 +269,7 @@ mod tests {
     }
 
     fn tok() -> String {
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer")
-            .display()
-            .to_string()
+        kinference_testkit::tokenizer_dir().display().to_string()
     }
 
     #[test]

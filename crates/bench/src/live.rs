@@ -108,37 +108,18 @@ pub struct ReplicaCounters {
 
 /// Sums the counters the benchmark reads from one `/metrics` text. Accepts the names with
 /// and without `_total`, and vLLM's older `gpu_` prefixed cache counters.
-pub fn parse_counters(text: &str) -> ReplicaCounters {
+pub fn parse_counters(page: &str) -> ReplicaCounters {
     let mut c = ReplicaCounters::default();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let (name, rest) = match line.find('{') {
-            Some(i) => {
-                let close = line[i..].find('}').map_or(line.len(), |j| i + j + 1);
-                (&line[..i], line.get(close..).unwrap_or(""))
-            }
-            None => match line.split_once(char::is_whitespace) {
-                Some((n, r)) => (n, r),
-                None => continue,
-            },
-        };
-        let Some(v) = rest
-            .split_whitespace()
-            .next()
-            .and_then(|v| v.parse::<f64>().ok())
-        else {
-            continue;
-        };
-        let base = name.strip_suffix("_total").unwrap_or(name);
+    for s in kinference_vllm::metrics::text::parse(page).filter_map(Result::ok) {
+        let base = s.name.strip_suffix("_total").unwrap_or(s.name);
         match base {
             "vllm:prefix_cache_queries" | "vllm:gpu_prefix_cache_queries" => {
-                c.prefix_cache_queries += v;
+                c.prefix_cache_queries += s.value;
             }
-            "vllm:prefix_cache_hits" | "vllm:gpu_prefix_cache_hits" => c.prefix_cache_hits += v,
-            "vllm:request_success" => c.requests += v,
+            "vllm:prefix_cache_hits" | "vllm:gpu_prefix_cache_hits" => {
+                c.prefix_cache_hits += s.value
+            }
+            "vllm:request_success" => c.requests += s.value,
             _ => {}
         }
     }

@@ -80,6 +80,110 @@ pub fn offset_endpoint(endpoint: &str, rank: DpRank) -> Result<String, EventsErr
     })
 }
 
+/// Whether a host in a publisher's endpoint is a wildcard: the publisher bound every
+/// interface, so it is reached at its replica's own host. vLLM's `*` and the resolved spellings
+/// servers report (`0.0.0.0`, `::`), with or without IPv6 brackets.
+pub fn is_wildcard_host(host: &str) -> bool {
+    matches!(host, "*" | "0.0.0.0" | "::" | "[::]" | "[*]")
+}
+
+/// Where our socket meets a replica's publisher, from the endpoint the replica reports for one
+/// DP rank (`/kv_event_sources`, or an operator's flag).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResolvedEndpoint {
+    /// Our SUB socket binds `base` (the publisher connects to it) rather than dialling it.
+    pub we_bind: bool,
+    /// The replica's base endpoint (rank 0's port): the event plane adds each rank back.
+    pub base: String,
+}
+
+impl ResolvedEndpoint {
+    /// The stream of DP rank `rank` of `replica` at this endpoint.
+    pub fn worker(&self, replica: ReplicaId, rank: DpRank) -> WorkerConfig {
+        if self.we_bind {
+            WorkerConfig::bind(replica, rank, &self.base)
+        } else {
+            WorkerConfig::connect(replica, rank, &self.base)
+        }
+    }
+}
+
+/// Why a reported endpoint cannot be subscribed to.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum EndpointError {
+    #[error("unsupported endpoint {endpoint:?}: expected tcp://HOST:PORT")]
+    Unsupported { endpoint: String },
+    #[error("endpoint {endpoint:?}: port below its DP rank {rank}")]
+    PortBelowRank { endpoint: String, rank: u32 },
+}
+
+impl From<EndpointError> for EventsError {
+    fn from(e: EndpointError) -> Self {
+        let endpoint = match &e {
+            EndpointError::Unsupported { endpoint } => endpoint.clone(),
+            EndpointError::PortBelowRank { endpoint, .. } => endpoint.clone(),
+        };
+        EventsError::Endpoint {
+            endpoint,
+            reason: e.to_string(),
+        }
+    }
+}
+
+/// Host and port of `tcp://HOST:PORT`; an IPv6 host keeps its brackets.
+fn split_tcp(endpoint: &str) -> Option<(&str, u16)> {
+    let (host, port) = endpoint.strip_prefix("tcp://")?.rsplit_once(':')?;
+    if host.is_empty() {
+        return None;
+    }
+    Some((host, port.parse().ok()?))
+}
+
+/// Resolves the endpoint a replica reports for DP rank `rank` (already offset by the rank, as
+/// vLLM reports it) into the base endpoint and the side that binds:
+/// - a wildcard host ([`is_wildcard_host`]): the publisher bound every interface; we dial
+///   `replica_host`;
+/// - another host that vLLM's rule says the publisher binds ([`publisher_binds`]: an IPv6
+///   address such as `[::1]`): we dial that address;
+/// - any other host: the publisher connected to it, so we bind it.
+///
+/// The port becomes the base port (port − rank); only tcp endpoints are supported.
+pub fn resolve_endpoint(
+    endpoint: &str,
+    rank: u32,
+    replica_host: &str,
+) -> Result<ResolvedEndpoint, EndpointError> {
+    let (host, port) = split_tcp(endpoint).ok_or_else(|| EndpointError::Unsupported {
+        endpoint: endpoint.to_owned(),
+    })?;
+    let base_port =
+        u32::from(port)
+            .checked_sub(rank)
+            .ok_or_else(|| EndpointError::PortBelowRank {
+                endpoint: endpoint.to_owned(),
+                rank,
+            })?;
+    let (we_bind, host) = if is_wildcard_host(host) {
+        (false, replica_host)
+    } else {
+        (!publisher_binds(endpoint), host)
+    };
+    Ok(ResolvedEndpoint {
+        we_bind,
+        base: format!("tcp://{host}:{base_port}"),
+    })
+}
+
+/// The base endpoint to dial for a rank's replay ROUTER, which always binds: at the replica's
+/// host when it bound a wildcard, as reported otherwise; port − rank as for events.
+pub fn resolve_replay(
+    endpoint: &str,
+    rank: u32,
+    replica_host: &str,
+) -> Result<String, EndpointError> {
+    resolve_endpoint(endpoint, rank, replica_host).map(|r| r.base)
+}
+
 /// One (replica, DP rank) event stream.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WorkerConfig {
@@ -322,6 +426,112 @@ mod tests {
             offset_endpoint("ipc:///tmp/kv", r(0)).unwrap(),
             "ipc:///tmp/kv"
         );
+    }
+
+    fn resolved(endpoint: &str, rank: u32, host: &str) -> (bool, String) {
+        let r = resolve_endpoint(endpoint, rank, host).unwrap();
+        (r.we_bind, r.base)
+    }
+
+    #[test]
+    fn every_wildcard_spelling_is_dialled_at_the_replica_host() {
+        for host in ["*", "0.0.0.0", "::", "[::]", "[*]"] {
+            assert!(is_wildcard_host(host), "{host}");
+            assert_eq!(
+                resolved(&format!("tcp://{host}:5557"), 0, "10.0.0.5"),
+                (false, "tcp://10.0.0.5:5557".into()),
+                "{host}"
+            );
+        }
+        assert_eq!(
+            resolved("tcp://[::]:5557", 0, "[fd00::7]"),
+            (false, "tcp://[fd00::7]:5557".into())
+        );
+        for host in ["127.0.0.1", "h", "[::1]", "**", ""] {
+            assert!(!is_wildcard_host(host), "{host}");
+        }
+    }
+
+    #[test]
+    fn other_hosts_follow_vllms_bind_rule() {
+        // The publisher connected to a plain address: we bind it.
+        assert_eq!(
+            resolved("tcp://10.0.0.9:6000", 0, "h"),
+            (true, "tcp://10.0.0.9:6000".into())
+        );
+        // vLLM binds any endpoint containing `::`: a specific IPv6 address is dialled as is.
+        assert_eq!(
+            resolved("tcp://[::1]:6000", 0, "h"),
+            (false, "tcp://[::1]:6000".into())
+        );
+        assert_eq!(
+            resolved("tcp://[fd00::9]:6002", 2, "h"),
+            (false, "tcp://[fd00::9]:6000".into())
+        );
+    }
+
+    #[test]
+    fn rank_endpoints_resolve_to_the_base_port() {
+        assert_eq!(
+            resolved("tcp://0.0.0.0:5559", 2, "h"),
+            (false, "tcp://h:5557".into())
+        );
+        assert_eq!(
+            resolved("tcp://10.0.0.9:6003", 3, "h"),
+            (true, "tcp://10.0.0.9:6000".into())
+        );
+        assert_eq!(resolved("tcp://*:2", 2, "h"), (false, "tcp://h:0".into()));
+        assert_eq!(
+            resolve_replay("tcp://*:7001", 1, "10.0.0.5").unwrap(),
+            "tcp://10.0.0.5:7000"
+        );
+        assert_eq!(
+            resolve_replay("tcp://10.0.0.9:7001", 1, "h").unwrap(),
+            "tcp://10.0.0.9:7000"
+        );
+        let w = resolve_endpoint("tcp://*:5558", 1, "h")
+            .unwrap()
+            .worker(ReplicaId(3), DpRank(1));
+        assert_eq!(w.mode, SocketMode::Connect);
+        assert_eq!(w.events_endpoint().unwrap(), "tcp://h:5558");
+        let w = resolve_endpoint("tcp://10.0.0.9:6001", 1, "h")
+            .unwrap()
+            .worker(ReplicaId(3), DpRank(1));
+        assert_eq!(w.mode, SocketMode::Bind);
+        assert_eq!(w.events_endpoint().unwrap(), "tcp://10.0.0.9:6001");
+    }
+
+    #[test]
+    fn unusable_endpoints_are_typed_errors() {
+        for endpoint in [
+            "ipc:///tmp/x",
+            "inproc://kv",
+            "tcp://*",
+            "tcp://:5557",
+            "tcp://*:port",
+            "tcp://*:70000",
+            "5557",
+        ] {
+            assert_eq!(
+                resolve_endpoint(endpoint, 0, "h"),
+                Err(EndpointError::Unsupported {
+                    endpoint: endpoint.into()
+                }),
+                "{endpoint}"
+            );
+        }
+        let err = resolve_endpoint("tcp://*:1", 2, "h").unwrap_err();
+        assert_eq!(
+            err,
+            EndpointError::PortBelowRank {
+                endpoint: "tcp://*:1".into(),
+                rank: 2
+            }
+        );
+        assert!(resolve_replay("tcp://*:1", u32::MAX, "h").is_err());
+        let wrapped = EventsError::from(err);
+        assert_eq!(wrapped.label(), "endpoint");
+        assert!(wrapped.to_string().contains("DP rank 2"), "{wrapped}");
     }
 
     #[test]

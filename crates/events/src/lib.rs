@@ -138,7 +138,8 @@ mod writer;
 
 pub use backoff::{Backoff, BackoffConfig};
 pub use config::{
-    offset_endpoint, publisher_binds, EventPlaneConfig, ReplicaConfig, SocketMode, WorkerConfig,
+    is_wildcard_host, offset_endpoint, publisher_binds, resolve_endpoint, resolve_replay,
+    EndpointError, EventPlaneConfig, ReplicaConfig, ResolvedEndpoint, SocketMode, WorkerConfig,
 };
 pub use error::EventsError;
 pub use health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};

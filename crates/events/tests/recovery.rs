@@ -16,9 +16,9 @@ use kinference_events::{
     DpRank, EventPlane, EventPlaneConfig, ReplicaId, SyncState, WorkerConfig, WorkerHealth,
     WorkerId,
 };
+use kinference_testkit::WAIT;
 use kinference_vllm::KvEventBatch;
 
-const WAIT: Duration = Duration::from_secs(20);
 const TOPIC: &str = "kv-events";
 
 struct Rig {

@@ -13,18 +13,12 @@ use kinference_events::testing::{all_cleared, fast_config, removed, stored, Fake
 use kinference_events::{
     DpRank, EventPlane, EventPlaneConfig, ReplicaId, SyncState, WorkerConfig, WorkerId,
 };
+use kinference_testkit::{unused_port, WAIT};
 
-const WAIT: Duration = Duration::from_secs(20);
 const TOPIC: &str = "kv-events";
 
 fn worker(replica: u32, rank: u32) -> WorkerId {
     WorkerId::new(ReplicaId(replica), DpRank(rank))
-}
-
-/// A free TCP port on 127.0.0.1 (bound, read, released).
-fn free_port() -> u16 {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    listener.local_addr().unwrap().port()
 }
 
 /// Publishes a mix of stores and removals; returns the model of what the worker holds.
@@ -117,7 +111,7 @@ async fn normal_flow_subscriber_connects() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dp_rank_one_uses_base_port_plus_one() {
     // The subscriber binds base + 1 for rank 1; base itself is never bound.
-    let port = free_port();
+    let port = unused_port();
     let base = format!("tcp://127.0.0.1:{}", port - 1);
     let plane = EventPlane::start(fast_config()).unwrap();
     let w = worker(3, 1);
@@ -272,7 +266,7 @@ async fn duplicate_workers_and_bad_endpoints_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_is_prompt_while_dialing_a_dead_endpoint() {
     let plane = EventPlane::start(fast_config()).unwrap();
-    let dead = format!("tcp://127.0.0.1:{}", free_port());
+    let dead = format!("tcp://127.0.0.1:{}", unused_port());
     let w = worker(7, 0);
     plane
         .add_worker(WorkerConfig::connect(w.replica, w.rank, &dead).with_replay(&dead))

@@ -3,6 +3,8 @@
 //! Invariant: the tests run only when [`URL_VAR`] is set; then every other variable is required,
 //! so a half-configured environment fails loudly instead of skipping.
 
+use std::path::PathBuf;
+
 use crate::error::InteropError;
 
 /// Base URL of the OpenAI-compatible server, e.g. `http://127.0.0.1:18000`.
@@ -14,6 +16,12 @@ pub const REPLAY_VAR: &str = "KINFERENCE_REAL_VLLM_REPLAY";
 /// The server's `--prefix-caching-hash-algo` (`sha256`, `sha256_cbor`, ...).
 pub const HASH_ALGO_VAR: &str = "KINFERENCE_REAL_VLLM_HASH_ALGO";
 
+/// The real server's model directory (its `tokenizer.json`), when not in the default place.
+pub const MODEL_DIR_VAR: &str = "KINFERENCE_REAL_VLLM_MODEL_DIR";
+/// Where `scripts/real-vllm.sh` installs vLLM and the tiny model (default
+/// `~/.cache/kinference/real-vllm`).
+pub const CACHE_VAR: &str = "KINFERENCE_VLLM_CACHE";
+
 /// What a test prints when it does not run.
 pub const SKIP_MESSAGE: &str =
     "skipped: set KINFERENCE_REAL_VLLM_URL (scripts/interop.sh does) to run against a real vLLM";
@@ -22,6 +30,22 @@ pub const SKIP_MESSAGE: &str =
 pub const MODEL: &str = "tiny";
 /// The topic `scripts/real-vllm.sh` configures for KV events.
 pub const TOPIC: &str = "kv-events";
+
+/// The directory of the model the real servers serve (tokenizer files included):
+/// [`MODEL_DIR_VAR`], else `models/tiny-llama` under [`CACHE_VAR`]'s directory.
+pub fn model_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os(MODEL_DIR_VAR) {
+        return PathBuf::from(d);
+    }
+    let cache = std::env::var_os(CACHE_VAR).map_or_else(
+        || {
+            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                .join(".cache/kinference/real-vllm")
+        },
+        PathBuf::from,
+    );
+    cache.join("models/tiny-llama")
+}
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct RealVllmEnv {

@@ -6,6 +6,7 @@
 
 use std::time::Duration;
 
+use kinference_vllm::metrics::ReplicaMetrics;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
@@ -287,23 +288,15 @@ fn usage(url: &str, v: &Value) -> Result<Usage, InteropError> {
     })
 }
 
-/// Reads `vllm:cache_config_info{...}` from a Prometheus text page.
+/// Reads `vllm:cache_config_info{...}` from a Prometheus text page (the first such sample;
+/// `None` unless it names all four settings).
 pub fn parse_cache_config(metrics: &str) -> Option<ServerCacheConfig> {
-    let line = metrics
-        .lines()
-        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let labels = line.split_once('{')?.1.rsplit_once('}')?.0;
-    let label = |name: &str| -> Option<&str> {
-        labels.split("\",").find_map(|pair| {
-            let (k, v) = pair.split_once("=\"")?;
-            (k.trim() == name).then(|| v.trim_end_matches('"'))
-        })
-    };
+    let info = ReplicaMetrics::from_exposition(metrics).cache_config?;
     Some(ServerCacheConfig {
-        block_size: label("block_size")?.parse().ok()?,
-        num_gpu_blocks: label("num_gpu_blocks")?.parse().ok()?,
-        hash_algo: label("prefix_caching_hash_algo")?.to_owned(),
-        prefix_caching: label("enable_prefix_caching")? == "True",
+        block_size: info.block_size?.try_into().ok()?,
+        num_gpu_blocks: info.num_gpu_blocks?.try_into().ok()?,
+        hash_algo: info.prefix_caching_hash_algo?,
+        prefix_caching: info.enable_prefix_caching?,
     })
 }
 

@@ -10,9 +10,9 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kinference_interop::env::model_dir;
 use kinference_interop::env::{MODEL, TOPIC};
 use kinference_interop::VllmHttp;
 use kinference_proxy::api::{ExplainResponse, Health, ReplicasResponse};
@@ -71,21 +71,6 @@ fn replicas_from_env() -> Option<(Vec<Replica>, String)> {
         })
         .collect();
     Some((replicas, algo))
-}
-
-/// The servers' tokenizer directory, as `tests/tokenize_parity.rs` finds it.
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("KINFERENCE_REAL_VLLM_MODEL_DIR") {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var_os("KINFERENCE_VLLM_CACHE").map_or_else(
-        || {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/kinference/real-vllm")
-        },
-        PathBuf::from,
-    );
-    cache.join("models/tiny-llama")
 }
 
 /// A document of about 700 tokens whose very first words differ per document (so two

@@ -30,22 +30,22 @@
 //!   amounts.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
 use std::time::Duration;
 
+use kinference_interop::env::{model_dir, MODEL_DIR_VAR};
 use kinference_interop::env::{SKIP_MESSAGE, TOPIC};
 use kinference_interop::http::parse_cache_config;
 use kinference_interop::{fetch_replay, EventLog, RealVllmEnv};
 use kinference_sim::EngineConfig;
-use kinference_sim_server::{KvEventsConfig, Server, ServerConfig};
+use kinference_sim_server::{Server, ServerConfig};
+use kinference_testkit::sim;
+use kinference_vllm::metrics::text;
 use kinference_vllm::{BlockHash, BlockHasher, ExtraKeysFormat, HashAlgo, KvEvent, RequestExtras};
 use serde_json::{json, Value};
 use tokio::time::Instant;
 use zeromq::{Socket, SocketRecv, SubSocket};
 
 const MODEL: &str = "tiny";
-/// Where `scripts/real-vllm.sh` keeps the model (and its tokenizer) under its cache directory.
-const MODEL_DIR_VAR: &str = "KINFERENCE_REAL_VLLM_MODEL_DIR";
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Between replay reads when no live message wakes the wait earlier.
@@ -300,9 +300,10 @@ impl Side {
     async fn counters(&self) -> (f64, f64) {
         let page = self.metrics().await;
         let sum = |name: &str| -> f64 {
-            page.lines()
-                .filter(|l| l.starts_with(&format!("{name}{{")))
-                .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            text::parse(&page)
+                .filter_map(Result::ok)
+                .filter(|s| s.name == name)
+                .map(|s| s.value)
                 .sum()
         };
         (
@@ -351,20 +352,6 @@ impl Side {
     }
 }
 
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os(MODEL_DIR_VAR) {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var_os("KINFERENCE_VLLM_CACHE").map_or_else(
-        || {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/kinference/real-vllm")
-        },
-        PathBuf::from,
-    );
-    cache.join("models/tiny-llama")
-}
-
 async fn real_side(env: &RealVllmEnv, client: &reqwest::Client) -> Side {
     let mut live = SubSocket::new();
     live.bind(&env.events).await.unwrap();
@@ -393,13 +380,10 @@ async fn sim_side(bs: usize, num_blocks: usize, algo: HashAlgo, client: &reqwest
     engine.max_model_len = 2048;
     engine.hash_algo = algo;
     let mut cfg = ServerConfig::new(MODEL, engine, dir, 1000.0);
-    // `*` makes the PUB bind (vLLM's rule); port 0 picks a free one.
-    let mut kv = KvEventsConfig::new("tcp://*:0");
-    kv.replay_endpoint = Some("tcp://*:0".into());
+    let mut kv = sim::events_on_port_zero();
     kv.topic = TOPIC.into();
     cfg.kv_events = Some(kv);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let server = Server::start(cfg, listener).await.unwrap();
+    let server = sim::start(cfg).await;
     let replay = server
         .endpoints
         .as_ref()

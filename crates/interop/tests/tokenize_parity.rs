@@ -7,8 +7,8 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::BufRead;
-use std::path::PathBuf;
 
+use kinference_interop::env::model_dir;
 use kinference_interop::env::SKIP_MESSAGE;
 use kinference_interop::http::{ChatMessage, VllmHttp};
 use kinference_interop::RealVllmEnv;
@@ -22,23 +22,9 @@ const MAX_TURNS: usize = 6;
 /// longer ones).
 const MAX_TURN_CHARS: usize = 1_200;
 
-fn model_dir() -> PathBuf {
-    if let Some(d) = std::env::var_os("KINFERENCE_REAL_VLLM_MODEL_DIR") {
-        return PathBuf::from(d);
-    }
-    let cache = std::env::var_os("KINFERENCE_VLLM_CACHE").map_or_else(
-        || {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/kinference/real-vllm")
-        },
-        PathBuf::from,
-    );
-    cache.join("models/tiny-llama")
-}
-
 fn conversations() -> Vec<Vec<ChatMessage>> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz");
+    let path =
+        kinference_testkit::shared("data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz");
     let file = std::fs::File::open(&path)
         .unwrap_or_else(|e| panic!("ShareGPT trace required at {}: {e}", path.display()));
     let reader = std::io::BufReader::new(flate2::read::GzDecoder::new(file));

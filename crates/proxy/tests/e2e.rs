@@ -7,7 +7,6 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -15,22 +14,14 @@ use futures_util::StreamExt;
 use kinference_policy::PolicyConfig;
 use kinference_proxy::api::{ErrorBody, ExplainResponse, Health, ReplicasResponse};
 use kinference_proxy::{Config, EventsSpec, PoolConfig, Proxy, ReplicaSpec};
-use kinference_sim::EngineConfig;
-use kinference_sim_server::{KvEventsConfig, Server, ServerConfig};
+use kinference_sim_server::Server;
+use kinference_testkit::sim::{self, replica_with_events};
+use kinference_testkit::{metric, tokenizer_dir, WAIT};
 use serde_json::{json, Value};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 const MODEL: &str = "tiny";
-const WAIT: Duration = Duration::from_secs(20);
-
-fn tokenizer_dir() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer");
-    p.canonicalize()
-        .unwrap_or_else(|e| panic!("reference tokenizer missing at {}: {e}", p.display()))
-}
-
 /// A long shared prefix (about 1,000 tokens) and a question that differs per request.
 fn prompt(prefix: usize, question: &str) -> String {
     let mut s = format!("Document {prefix}. ");
@@ -64,39 +55,17 @@ impl Default for SimOpts {
 }
 
 async fn sim(o: SimOpts) -> Server {
-    let mut engine = EngineConfig::small(600, o.block_size);
-    engine.hash_seed = o.hash_seed;
-    let mut cfg = ServerConfig::new(MODEL, engine, tokenizer_dir(), o.speedup);
+    let mut cfg = sim::config(MODEL, 600, o.block_size, o.speedup);
+    cfg.engine.hash_seed = o.hash_seed;
     if o.events {
-        let mut kv = KvEventsConfig::new("tcp://*:0");
-        kv.replay_endpoint = Some("tcp://*:0".into());
-        cfg.kv_events = Some(kv);
+        cfg.kv_events = Some(sim::events_on_port_zero());
     }
     cfg.data_parallel_size = o.dp;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Server::start(cfg, listener).await.unwrap()
+    sim::start(cfg).await
 }
 
 fn url(addr: SocketAddr) -> String {
     format!("http://{addr}")
-}
-
-/// The sim's bound endpoint (`tcp://0.0.0.0:PORT`) as a loopback address to dial.
-fn loopback(bound: &str) -> String {
-    let port = bound.rsplit(':').next().unwrap();
-    format!("tcp://127.0.0.1:{port}")
-}
-
-/// A replica entry that subscribes to the sim's events by explicit endpoints.
-fn replica_with_events(s: &Server) -> ReplicaSpec {
-    let eps = s.endpoints.clone().unwrap();
-    let mut r = ReplicaSpec::new(&url(s.addr));
-    r.events = Some(EventsSpec {
-        connect: Some(loopback(eps.events.as_deref().unwrap())),
-        replay: eps.replay.as_deref().map(loopback),
-        ..EventsSpec::default()
-    });
-    r
 }
 
 fn pool(replicas: Vec<ReplicaSpec>, policy: PolicyConfig) -> PoolConfig {
@@ -190,17 +159,6 @@ async fn get(addr: SocketAddr, path: &str) -> (u16, String) {
 
 fn completion(text: &str, max_tokens: u32) -> Value {
     json!({"model": MODEL, "prompt": text, "max_tokens": max_tokens})
-}
-
-fn metric(text: &str, name_and_labels: &str) -> f64 {
-    text.lines()
-        .find(|l| l.starts_with(name_and_labels) && l[name_and_labels.len()..].starts_with(' '))
-        .unwrap_or_else(|| panic!("{name_and_labels} missing in\n{text}"))
-        .rsplit(' ')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap()
 }
 
 async fn wait_up(proxy: &Proxy) -> ReplicasResponse {

@@ -5,25 +5,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
 
 use kinference_proxy::{Config, PoolConfig, Proxy, ReplicaSpec};
+use kinference_testkit::{tokenizer_dir, WAIT};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-const WAIT: Duration = Duration::from_secs(20);
-
 /// The tests run one at a time: each reads the thread names of its own router.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
-
-fn tokenizer_dir() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer");
-    p.canonicalize()
-        .unwrap_or_else(|e| panic!("reference tokenizer missing at {}: {e}", p.display()))
-}
 
 /// A "replica" that answers every request on a connection with `ok` and keeps the connection
 /// (so the router's pooled connections are reused), or never answers when `silent`.

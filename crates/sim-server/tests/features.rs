@@ -4,19 +4,15 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::PathBuf;
-use std::time::Duration;
-
 use bytes::Bytes;
 use clap::Parser;
-use kinference_sim::EngineConfig;
 use kinference_sim_server::cli::{self, SimArgs};
-use kinference_sim_server::{KvEventsConfig, LoraModule, Server, ServerConfig};
+use kinference_sim_server::{LoraModule, Server, ServerConfig};
+use kinference_testkit::{loopback, metric, sim, tokenizer_dir, WAIT};
 use kinference_vllm::{
     BlockHasher, BlockStored, ExtraKeysFormat, HashAlgo, KvEvent, KvEventBatch, Lora, RequestExtras,
 };
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const PROMPT: &str = "The router keeps a map from block hashes to the servers that hold them. \
@@ -24,31 +20,10 @@ When a new request arrives it tokenizes the prompt, splits it into fixed size bl
 every block together with its parent, and sends the request to the server that already caches \
 the longest prefix. First question: what is a block?";
 
-/// Bounds every wait on the server so a regression fails instead of hanging.
-const WAIT: Duration = Duration::from_secs(20);
-
-fn tokenizer_dir() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer");
-    p.canonicalize()
-        .unwrap_or_else(|e| panic!("reference tokenizer missing at {}: {e}", p.display()))
-}
-
 fn config(speedup: f64) -> ServerConfig {
-    let mut engine = EngineConfig::small(200, 32);
-    engine.max_model_len = 2048;
-    ServerConfig::new("tiny", engine, tokenizer_dir(), speedup)
-}
-
-fn events_config() -> KvEventsConfig {
-    let mut kv = KvEventsConfig::new("tcp://*:0");
-    kv.replay_endpoint = Some("tcp://*:0".into());
-    kv
-}
-
-async fn start(cfg: ServerConfig) -> Server {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Server::start(cfg, listener).await.unwrap()
+    let mut cfg = sim::config("tiny", 200, 32, speedup);
+    cfg.engine.max_model_len = 2048;
+    cfg
 }
 
 async fn post_with(
@@ -111,20 +86,6 @@ async fn tokens(server: &Server, prompt: &str) -> Vec<u32> {
     serde_json::from_value(v["tokens"].clone()).unwrap()
 }
 
-/// A counter series from `/metrics` (`name{labels} value`).
-fn metric(page: &str, series: &str) -> f64 {
-    let line = page
-        .lines()
-        .find(|l| l.starts_with(&format!("{series} ")))
-        .unwrap_or_else(|| panic!("{series} missing in\n{page}"));
-    line.rsplit(' ').next().unwrap().parse().unwrap()
-}
-
-fn loopback(bound: &str) -> String {
-    let port = bound.rsplit(':').next().unwrap();
-    format!("tcp://127.0.0.1:{port}")
-}
-
 /// Every batch the rank at `index` published, read back through its replay socket after
 /// the publisher caught up with the engine.
 async fn published(server: &Server, index: usize) -> Vec<KvEventBatch> {
@@ -173,7 +134,7 @@ fn stored(batches: &[KvEventBatch]) -> Vec<BlockStored> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_disconnect_mid_stream_aborts_and_frees_blocks() {
     // Real time: 10 ms steps, so a 1000-token request runs for 10 s unless aborted.
-    let server = start(config(1.0)).await;
+    let server = sim::start(config(1.0)).await;
     let body = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 1000, "stream": true});
     let mut resp = reqwest::Client::new()
         .post(format!("http://{}/v1/completions", server.addr))
@@ -219,8 +180,8 @@ async fn client_disconnect_mid_stream_aborts_and_frees_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn n_choices_share_the_prompt_blocks() {
     let mut cfg = config(1000.0);
-    cfg.kv_events = Some(events_config());
-    let server = start(cfg).await;
+    cfg.kv_events = Some(sim::events_on_port_zero());
+    let server = sim::start(cfg).await;
     let ids = tokens(&server, PROMPT).await;
     let full = (ids.len() - 1) / 32;
     assert!(full >= 2);
@@ -311,7 +272,7 @@ async fn probe_text(server: &Server, rid: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stop_strings_truncate_and_finish_with_stop() {
-    let server = start(config(1000.0)).await;
+    let server = sim::start(config(1000.0)).await;
     // The same request id gives the same pseudo-tokens, so the text is known in advance.
     let full = probe_text(&server, "stop-probe").await;
     let words: Vec<&str> = full.split(' ').filter(|w| !w.is_empty()).collect();
@@ -386,7 +347,7 @@ async fn stop_strings_truncate_and_finish_with_stop() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logprobs_in_openai_shapes() {
-    let server = start(config(1000.0)).await;
+    let server = sim::start(config(1000.0)).await;
     let body = json!({"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "logprobs": 2});
     let (status, v) = post(&server, "/v1/completions", &body).await;
     assert_eq!(status, 200, "{v}");
@@ -460,7 +421,7 @@ async fn logprobs_in_openai_shapes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lora_and_cache_salt_change_hashes_exactly_as_vllm_computes_them() {
     let mut cfg = config(1000.0);
-    cfg.kv_events = Some(events_config());
+    cfg.kv_events = Some(sim::events_on_port_zero());
     cfg.lora_modules = vec![
         LoraModule {
             name: "sql".into(),
@@ -473,7 +434,7 @@ async fn lora_and_cache_salt_change_hashes_exactly_as_vllm_computes_them() {
             base_model_name: Some("base".into()),
         },
     ];
-    let server = start(cfg).await;
+    let server = sim::start(cfg).await;
     let ids = tokens(&server, PROMPT).await;
     let full = (ids.len() - 1) / 32;
     let hasher = BlockHasher::new(HashAlgo::Sha256, 32, None, ExtraKeysFormat::Tagged).unwrap();
@@ -567,7 +528,7 @@ async fn lora_and_cache_salt_change_hashes_exactly_as_vllm_computes_them() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_vllm_error_bodies() {
-    let server = start(config(1000.0)).await;
+    let server = sim::start(config(1000.0)).await;
     let long: Vec<u32> = vec![100; 2048];
     let cases: Vec<(Value, u16, &str)> = vec![
         (
@@ -639,9 +600,9 @@ async fn bad_requests_get_vllm_error_bodies() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_parallel_ranks_are_separate_engines_with_their_own_events() {
     let mut cfg = config(1.0);
-    cfg.kv_events = Some(events_config());
+    cfg.kv_events = Some(sim::events_on_port_zero());
     cfg.data_parallel_size = 2;
-    let server = start(cfg).await;
+    let server = sim::start(cfg).await;
     assert_eq!(server.ranks(), vec![0, 1]);
     let eps = server.event_endpoints();
     let (e0, e1) = (eps[0].clone().unwrap(), eps[1].clone().unwrap());

@@ -5,16 +5,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashSet;
-use std::path::PathBuf;
 use std::time::Duration;
 
 use bytes::Bytes;
 use kinference_events::{EventPlane, EventPlaneConfig, ReplicaId, WorkerConfig};
-use kinference_sim::EngineConfig;
-use kinference_sim_server::{KvEventsConfig, Server, ServerConfig};
+use kinference_sim_server::{KvEventsConfig, Server};
+use kinference_testkit::{loopback, metric, sim, tokenizer_dir};
 use kinference_vllm::{BlockHash, DpRank, Tier};
 use serde_json::{json, Value};
-use tokio::net::TcpListener;
 use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const PROMPT: &str = "The router keeps a map from block hashes to the servers that hold them. \
@@ -22,20 +20,11 @@ When a new request arrives it tokenizes the prompt, splits it into fixed size bl
 every block together with its parent, and sends the request to the server that already caches \
 the longest prefix. First question: what is a block?";
 
-fn tokenizer_dir() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/golden/real_vllm_0.32/tiny-llama-tokenizer");
-    p.canonicalize()
-        .unwrap_or_else(|e| panic!("reference tokenizer missing at {}: {e}", p.display()))
-}
-
 async fn start(kv_events: Option<KvEventsConfig>) -> Server {
-    let mut engine = EngineConfig::small(200, 32);
-    engine.max_model_len = 2048;
-    let mut cfg = ServerConfig::new("tiny", engine, tokenizer_dir(), 1000.0);
+    let mut cfg = sim::config("tiny", 200, 32, 1000.0);
+    cfg.engine.max_model_len = 2048;
     cfg.kv_events = kv_events;
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    Server::start(cfg, listener).await.unwrap()
+    sim::start(cfg).await
 }
 
 async fn post(server: &Server, path: &str, body: &Value) -> (u16, String) {
@@ -106,12 +95,8 @@ async fn repeated_prompt_reports_cached_tokens_and_metrics() {
         ("vllm:generation_tokens_total", 8),
         ("vllm:num_requests_running", 0),
     ] {
-        let line = metrics
-            .lines()
-            .find(|l| l.starts_with(&format!("{name}{labels} ")))
-            .unwrap_or_else(|| panic!("{name} missing in\n{metrics}"));
-        let got: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
-        assert_eq!(got, v as f64, "{line}");
+        let series = format!("{name}{labels}");
+        assert_eq!(metric(&metrics, &series), v as f64, "{series}");
     }
     assert!(metrics.contains("vllm:cache_config_info{block_size=\"32\",enable_prefix_caching=\"True\",engine=\"0\",num_gpu_blocks=\"200\",prefix_caching_hash_algo=\"sha256\"} 1.0"));
     assert!(metrics.contains(
@@ -217,18 +202,6 @@ async fn chat_models_health_and_errors() {
     server.shutdown();
 }
 
-/// The sim's bound endpoint (`tcp://0.0.0.0:PORT`) as a dialable loopback address.
-fn loopback(bound: &str) -> String {
-    let port = bound.rsplit(':').next().unwrap();
-    format!("tcp://127.0.0.1:{port}")
-}
-
-fn events_config() -> KvEventsConfig {
-    let mut kv = KvEventsConfig::new("tcp://*:0");
-    kv.replay_endpoint = Some("tcp://*:0".into());
-    kv
-}
-
 async fn engine_hashes(server: &Server) -> HashSet<BlockHash> {
     server
         .inspect(|e| {
@@ -260,7 +233,7 @@ async fn traffic(server: &Server) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn event_plane_holds_exactly_the_engine_blocks() {
-    let server = start(Some(events_config())).await;
+    let server = start(Some(sim::events_on_port_zero())).await;
     let eps = server.endpoints.clone().unwrap();
     let events = loopback(eps.events.as_deref().unwrap());
     let replay = loopback(eps.replay.as_deref().unwrap());
@@ -309,7 +282,7 @@ async fn event_plane_holds_exactly_the_engine_blocks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replay_returns_every_batch_in_order_then_the_end_marker() {
-    let server = start(Some(events_config())).await;
+    let server = start(Some(sim::events_on_port_zero())).await;
     traffic(&server).await;
     let eps = server.endpoints.clone().unwrap();
     let mut dealer = DealerSocket::new();
@@ -344,7 +317,7 @@ async fn replay_returns_every_batch_in_order_then_the_end_marker() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_event_sources_and_reset_prefix_cache() {
-    let server = start(Some(events_config())).await;
+    let server = start(Some(sim::events_on_port_zero())).await;
     let eps = server.endpoints.clone().unwrap();
     let (status, body) = get(&server, "/kv_event_sources").await;
     assert_eq!(status, 200);

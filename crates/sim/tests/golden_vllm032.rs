@@ -10,21 +10,15 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::fs;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use kinference_sim::{Engine, EngineConfig, Request, SimTime, StepOutput};
+use kinference_testkit::shared;
 use kinference_vllm::{decode_batch, encode_batch, KvEvent, KvEventBatch};
 use serde_json::Value;
 
 fn run1() -> PathBuf {
-    let p =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared/golden/real_vllm_0.32/run1");
-    p.canonicalize().unwrap_or_else(|e| {
-        panic!(
-            "the reference files are required at {} (../shared from the repo root): {e}",
-            p.display()
-        )
-    })
+    shared("golden/real_vllm_0.32/run1")
 }
 
 fn messages() -> Vec<Value> {

@@ -13,9 +13,9 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::io::Read;
-use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use kinference_testkit::shared_dir;
 use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer, TokenizerOptions};
 
 // The kinference binary's allocator: with glibc's, a heap holding hundreds of MiB of cache
@@ -23,16 +23,6 @@ use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer, T
 // took ~40% of a cache hit), which the router does not see.
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-fn shared() -> std::path::PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    p.canonicalize().unwrap_or_else(|_| {
-        panic!(
-            "{} is missing (the benchmark reads real tokenizers)",
-            p.display()
-        )
-    })
-}
 
 fn content_text(m: &ChatMessage) -> String {
     match &m.content {
@@ -42,7 +32,7 @@ fn content_text(m: &ChatMessage) -> String {
 }
 
 fn sharegpt_texts() -> Vec<String> {
-    let path = shared().join("data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz");
+    let path = shared_dir().join("data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz");
     let mut text = String::new();
     flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap())
         .read_to_string(&mut text)
@@ -114,7 +104,7 @@ fn conversations(
 fn bench(c: &mut Criterion) {
     let texts = sharegpt_texts();
     for name in ["qwen3", "llama3"] {
-        let tok = Tokenizer::from_dir(shared().join("data/tokenizers").join(name)).unwrap();
+        let tok = Tokenizer::from_dir(shared_dir().join("data/tokenizers").join(name)).unwrap();
         let (base, b1, b2) = conversations(&tok, &texts, 100_000);
         let t1 = tok.render_chat(&b1).unwrap();
         let mut g = c.benchmark_group(format!("{name}_100k_plus_1k"));
@@ -193,7 +183,7 @@ fn bench_plain(c: &mut Criterion) {
         let mut g = c.benchmark_group(format!("{name}_plain_4k_plus_100"));
         for (label, capacity) in [("cache_on", 256usize << 20), ("cache_off", 0)] {
             let tok = Tokenizer::from_dir_with(
-                shared().join("data/tokenizers").join(name),
+                shared_dir().join("data/tokenizers").join(name),
                 TokenizerOptions {
                     cache_capacity_bytes: capacity,
                     ..TokenizerOptions::default()

@@ -392,8 +392,7 @@ mod tests {
     use rand_chacha::ChaCha8Rng;
 
     fn load(name: &str) -> Encoder {
-        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../../../shared/data/tokenizers")
+        let path = kinference_testkit::shared("data/tokenizers")
             .join(name)
             .join("tokenizer.json");
         Encoder::from_file(&path).unwrap()

@@ -1,11 +1,13 @@
-//! vLLM's Prometheus metrics as a router reads them: the metric names, a parser for the text
-//! exposition format, and the per-engine load and cache-config snapshot a router needs.
+//! vLLM's Prometheus metrics as a router reads them: the metric names, the text exposition
+//! parser ([`text`]), and the per-engine load and cache-config snapshot a router needs.
 //!
-//! The parser takes untrusted bytes: it never panics, skips lines it cannot read (counting
+//! A scrape is untrusted bytes: reading one never panics, skips lines it cannot read (counting
 //! them), and keeps only what it understands. Names and labels follow vLLM ≥ 0.22
 //! (`vllm:kv_cache_usage_perc`, `vllm:prefix_cache_*`); see `spec/vllm.md` §5.
 
 use std::collections::BTreeMap;
+
+pub mod text;
 
 pub const NUM_REQUESTS_RUNNING: &str = "vllm:num_requests_running";
 pub const NUM_REQUESTS_WAITING: &str = "vllm:num_requests_waiting";
@@ -13,103 +15,6 @@ pub const KV_CACHE_USAGE_PERC: &str = "vllm:kv_cache_usage_perc";
 pub const CACHE_CONFIG_INFO: &str = "vllm:cache_config_info";
 pub const PREFIX_CACHE_QUERIES_TOTAL: &str = "vllm:prefix_cache_queries_total";
 pub const PREFIX_CACHE_HITS_TOTAL: &str = "vllm:prefix_cache_hits_total";
-
-/// One sample line: `name{labels} value`.
-#[derive(Clone, Debug, PartialEq)]
-pub struct Sample {
-    pub name: String,
-    pub labels: Vec<(String, String)>,
-    pub value: f64,
-}
-
-impl Sample {
-    pub fn label(&self, key: &str) -> Option<&str> {
-        self.labels
-            .iter()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
-    }
-}
-
-/// Parses the Prometheus text format. Returns the samples and the number of non-comment lines
-/// that could not be read.
-pub fn parse_exposition(text: &str) -> (Vec<Sample>, usize) {
-    let mut samples = Vec::new();
-    let mut bad = 0;
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        match parse_line(line) {
-            Some(s) => samples.push(s),
-            None => bad += 1,
-        }
-    }
-    (samples, bad)
-}
-
-fn parse_line(line: &str) -> Option<Sample> {
-    let name_end = line
-        .find(|c: char| c == '{' || c.is_ascii_whitespace())
-        .unwrap_or(line.len());
-    let name = line.get(..name_end)?;
-    if name.is_empty() {
-        return None;
-    }
-    let mut rest = line.get(name_end..)?;
-    let mut labels = Vec::new();
-    if let Some(after) = rest.strip_prefix('{') {
-        let (parsed, tail) = parse_labels(after)?;
-        labels = parsed;
-        rest = tail;
-    }
-    let value = rest.split_ascii_whitespace().next()?;
-    let value = match value {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        "NaN" => f64::NAN,
-        v => v.parse().ok()?,
-    };
-    Some(Sample {
-        name: name.to_owned(),
-        labels,
-        value,
-    })
-}
-
-/// Parses `k="v",k2="v2"}` (the opening brace already consumed); returns the labels and the
-/// text after the closing brace.
-fn parse_labels(s: &str) -> Option<(Vec<(String, String)>, &str)> {
-    let mut labels = Vec::new();
-    let mut rest = s.trim_start();
-    loop {
-        if let Some(tail) = rest.strip_prefix('}') {
-            return Some((labels, tail));
-        }
-        let eq = rest.find('=')?;
-        let key = rest.get(..eq)?.trim();
-        rest = rest.get(eq + 1..)?.trim_start().strip_prefix('"')?;
-        let mut value = String::new();
-        let mut chars = rest.char_indices();
-        let end = loop {
-            let (i, c) = chars.next()?;
-            match c {
-                '"' => break i,
-                '\\' => match chars.next()?.1 {
-                    'n' => value.push('\n'),
-                    other => value.push(other),
-                },
-                c => value.push(c),
-            }
-        };
-        labels.push((key.to_owned(), value));
-        rest = rest.get(end + 1..)?.trim_start();
-        if let Some(tail) = rest.strip_prefix(',') {
-            rest = tail.trim_start();
-        }
-    }
-}
 
 /// Load of one engine (DP rank), from its gauges.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -144,19 +49,19 @@ pub struct ReplicaMetrics {
 impl ReplicaMetrics {
     /// Reads a scrape, keeping vLLM's series and ignoring everything else. With several
     /// models on one server the gauges of every model add up, as they share the engine.
-    pub fn from_exposition(text: &str) -> Self {
-        let (samples, unreadable_lines) = parse_exposition(text);
-        let mut m = ReplicaMetrics {
-            unreadable_lines,
-            ..ReplicaMetrics::default()
-        };
-        for s in &samples {
+    pub fn from_exposition(page: &str) -> Self {
+        let mut m = ReplicaMetrics::default();
+        for s in text::parse(page) {
+            let Ok(s) = s else {
+                m.unreadable_lines += 1;
+                continue;
+            };
             let engine = s
                 .label("engine")
                 .and_then(|e| e.parse::<u32>().ok())
                 .unwrap_or(0);
             let value = if s.value.is_finite() { s.value } else { 0.0 };
-            match s.name.as_str() {
+            match s.name {
                 NUM_REQUESTS_RUNNING => m.engines.entry(engine).or_default().running += value,
                 NUM_REQUESTS_WAITING => m.engines.entry(engine).or_default().waiting += value,
                 KV_CACHE_USAGE_PERC => {
@@ -175,10 +80,10 @@ impl ReplicaMetrics {
                         num_gpu_blocks: s.label("num_gpu_blocks").and_then(|v| v.parse().ok()),
                         enable_prefix_caching: s
                             .label("enable_prefix_caching")
-                            .and_then(parse_py_bool),
+                            .and_then(|v| parse_py_bool(&v)),
                         prefix_caching_hash_algo: s
                             .label("prefix_caching_hash_algo")
-                            .map(str::to_owned),
+                            .map(|v| v.into_owned()),
                     });
                 }
                 _ => {}
@@ -231,20 +136,6 @@ garbage line {
         assert_eq!(c.num_gpu_blocks, Some(80));
         assert_eq!(c.enable_prefix_caching, Some(true));
         assert_eq!(c.prefix_caching_hash_algo.as_deref(), Some("sha256_cbor"));
-    }
-
-    #[test]
-    fn parses_escapes_special_values_and_bare_names() {
-        let (s, bad) = parse_exposition(
-            "a{x=\"q\\\"uo\\\\te\\n\", y = \"2\" ,} +Inf 1700000000\nb 7\nc{} NaN\nd{x=\"unterminated} 1\n",
-        );
-        assert_eq!(bad, 1);
-        assert_eq!(s.len(), 3);
-        assert_eq!(s[0].label("x"), Some("q\"uo\\te\n"));
-        assert_eq!(s[0].label("y"), Some("2"));
-        assert_eq!(s[0].value, f64::INFINITY);
-        assert_eq!((s[1].name.as_str(), s[1].value), ("b", 7.0));
-        assert!(s[2].value.is_nan());
     }
 
     #[test]

@@ -11,6 +11,7 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use kinference_testkit::shared_dir;
 use kinference_vllm::events::codec::{decode_batch_with_stats, DecodeStats};
 use kinference_vllm::events::frames::{
     encode_length_prefixed, parse_length_prefixed, parse_live, parse_replay, ReplayFrame,
@@ -27,22 +28,12 @@ use serde_json::Value;
 // Locating and reading the goldens
 // ---------------------------------------------------------------------------------------------
 
-fn shared() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    p.canonicalize().unwrap_or_else(|e| {
-        panic!(
-            "the reference files are required at {} (../shared from the repo root): {e}",
-            p.display()
-        )
-    })
-}
-
 fn kv_events_dir() -> PathBuf {
-    shared().join("golden/kv_events")
+    shared_dir().join("golden/kv_events")
 }
 
 fn real_dir() -> PathBuf {
-    shared().join("golden/real_vllm_0.32")
+    shared_dir().join("golden/real_vllm_0.32")
 }
 
 fn read(p: &Path) -> Vec<u8> {

@@ -7,23 +7,14 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+use kinference_testkit::shared_dir;
 use kinference_vllm::hashing::{
     BlockDigest, BlockHasher, ExtraKeysFormat, HashAlgo, Lora, MmItem, RequestExtras,
 };
 use kinference_vllm::ExtraKeyItem;
 use serde_json::Value;
-
-fn shared_dir() -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    dir.canonicalize().unwrap_or_else(|e| {
-        panic!(
-            "reference files missing: {} ({e}); the golden vectors are required",
-            dir.display()
-        )
-    })
-}
 
 fn load_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path)

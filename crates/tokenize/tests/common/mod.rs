@@ -8,23 +8,16 @@
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
+pub use kinference_testkit::shared_dir;
 use kinference_tokenize::{Json, Map, Tokenizer, TokenizerOptions};
 use sha2::{Digest, Sha256};
-
-/// `../shared` beside the repository (required: the tests read real tokenizers from it).
-pub fn shared_dir() -> PathBuf {
-    let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../../shared");
-    p.canonicalize().unwrap_or_else(|_| {
-        panic!("{} is missing: the tokenizer tests need the shared reference data beside the repository", p.display())
-    })
-}
 
 pub fn tokenizers_dir() -> PathBuf {
     shared_dir().join("data/tokenizers")
 }
 
 pub fn tiny_llama_dir() -> PathBuf {
-    shared_dir().join("golden/real_vllm_0.32/tiny-llama-tokenizer")
+    kinference_testkit::tokenizer_dir()
 }
 
 /// A shared tokenizer by directory name (`@tiny`: the real-vLLM interop model's) with a prefix
