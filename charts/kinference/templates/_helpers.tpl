@@ -51,30 +51,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* `kinference serve` arguments: addresses, then either the config file or the one pool. */}}
 {{- define "kinference.args" -}}
 - serve
-- --listen=0.0.0.0:{{ .Values.ports.http }}
-- --admin=0.0.0.0:{{ .Values.ports.admin }}
+- {{ print "--listen=0.0.0.0:" .Values.ports.http | quote }}
+- {{ print "--admin=0.0.0.0:" .Values.ports.admin | quote }}
 {{- if .Values.config }}
 - --config=/etc/kinference/config.yaml
 {{- else }}
-- --namespace={{ include "kinference.poolNamespace" . }}
-- --inference-pool={{ required "inferencePool.name is required (or a whole `config`)" .Values.inferencePool.name }}
+- {{ print "--namespace=" (include "kinference.poolNamespace" .) | quote }}
+- {{ print "--inference-pool=" (required "inferencePool.name is required (or a whole `config`)" .Values.inferencePool.name) | quote }}
 {{- if not .Values.pool.models }}
 {{- fail "pool.models is required (or a whole `config`)" }}
 {{- end }}
-- --model={{ join "," .Values.pool.models }}
-- --tokenizer={{ .Values.pool.tokenizerPath }}
+- {{ print "--model=" (join "," .Values.pool.models) | quote }}
+- {{ print "--tokenizer=" .Values.pool.tokenizerPath | quote }}
 {{- if not .Values.pool.blockSize }}
 {{- fail "pool.blockSize is required (vLLM's --block-size), or a whole `config`" }}
 {{- end }}
-- --block-size={{ .Values.pool.blockSize }}
-- --hash-algo={{ .Values.pool.hashAlgo }}
+- {{ print "--block-size=" .Values.pool.blockSize | quote }}
+- {{ print "--hash-algo=" .Values.pool.hashAlgo | quote }}
 {{- if .Values.pool.hashSeed }}
-- --hash-seed={{ .Values.pool.hashSeed }}
+- {{ print "--hash-seed=" .Values.pool.hashSeed | quote }}
 {{- else if hasPrefix "xxhash" .Values.pool.hashAlgo }}
 {{- fail "pool.hashSeed is required with an xxhash algorithm: vLLM draws a random seed unless PYTHONHASHSEED is set" }}
 {{- end }}
 {{- with .Values.pool.policy }}
-- --policy={{ . }}
+- {{ print "--policy=" . | quote }}
 {{- end }}
 {{- end }}
 {{- with .Values.extraArgs }}
