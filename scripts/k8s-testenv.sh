@@ -182,7 +182,7 @@ wait_started() {
 
 etcd_ready() {
     # The log line proves that OUR etcd serves on the port; /health that it has a leader.
-    grep -q "serving client traffic" "$DIR/logs/etcd.log" &&
+    grep -qs "serving client traffic" "$DIR/logs/etcd.log" &&
         curl -fsS --max-time 2 "http://127.0.0.1:$(cat "$DIR/run/etcd.port")/health" 2>/dev/null |
         grep -q '"health":"true"'
 }
@@ -273,7 +273,7 @@ EOF
 
 apiserver_ready() {
     local p=$DIR/pki
-    grep -q "Serving securely on" "$DIR/logs/kube-apiserver.log" &&
+    grep -qs "Serving securely on" "$DIR/logs/kube-apiserver.log" &&
         curl -fsS --max-time 2 --cacert "$p/ca.crt" --cert "$p/admin.crt" --key "$p/admin.key" \
             "https://127.0.0.1:$(cat "$DIR/run/apiserver.port")/readyz" >/dev/null 2>&1
 }
