@@ -31,8 +31,9 @@
 # it) and restarted on another port when its own log says the bind failed. Readiness is checked
 # against our own process (its log, its CA), never against whatever answers on the port.
 #
-# Environment: KINFERENCE_CACHE (default ~/.cache/kinference), K8S_TESTENV_TIMEOUT (seconds to
-# wait for readiness, default 180).
+# Environment: KINFERENCE_K8S_CACHE (the binaries, default ~/.cache/kinference/k8s),
+# K8S_TESTENV_TIMEOUT (seconds to wait for each server's readiness, default 180). Go >= 1.26,
+# openssl, curl and flock must be installed.
 set -euo pipefail
 
 KUBE_VERSION=v1.37.2
@@ -41,7 +42,7 @@ HELM_VERSION=v4.3.2
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 MODULES="$HERE/k8s-testenv"
-CACHE="${KINFERENCE_CACHE:-$HOME/.cache/kinference}/k8s"
+CACHE="${KINFERENCE_K8S_CACHE:-$HOME/.cache/kinference/k8s}"
 TIMEOUT="${K8S_TESTENV_TIMEOUT:-180}"
 
 log() { echo "k8s-testenv: $*" >&2; }
@@ -136,15 +137,19 @@ running() {
     [ -n "$state" ] && [ "$state" != Z ] && [ "$state" != X ]
 }
 
+# stop_proc PIDFILE NAME: SIGTERM, then SIGKILL after 10 s, only if the process is ours. Not
+# lib/proc.sh's `stop`: these servers are not children of this shell (`up` ran in another), so
+# nothing here can `wait` for them, and an exited one stays a zombie until init reaps it (over a
+# second here), which `kill -0` counts as running.
 stop_proc() {
     local pidfile=$1 name=$2 pid deadline
     if alive "$pidfile"; then
         pid=$(cat "$pidfile")
         kill -TERM "$pid" 2>/dev/null || true
-        deadline=$((SECONDS + 20))
+        deadline=$((SECONDS + 10))
         while running "$pid" && [ $SECONDS -lt $deadline ]; do sleep 0.1; done
         if running "$pid"; then
-            log "$name ($pid) ignored SIGTERM for 20s: SIGKILL"
+            log "$name ($pid) ignored SIGTERM for 10s: SIGKILL"
             kill -KILL "$pid" 2>/dev/null || true
         fi
         log "stopped $name ($pid)"
