@@ -351,6 +351,9 @@ cmd_up() {
     # Leftovers of a run that died: stop what still runs and start from empty data.
     stop_proc "$DIR/run/apiserver.pid" kube-apiserver
     stop_proc "$DIR/run/etcd.pid" etcd
+    # An `up` that fails or is interrupted leaves nothing running.
+    trap 'exit 143' INT TERM
+    trap 'stop_proc "$DIR/run/apiserver.pid" kube-apiserver; stop_proc "$DIR/run/etcd.pid" etcd' EXIT
     rm -rf "$DIR/etcd" "$DIR/apiserver" "$DIR/run"
     mkdir -p "$DIR/run" "$DIR/logs" "$DIR/apiserver"
     command -v openssl >/dev/null || die "openssl is not installed"
@@ -361,6 +364,7 @@ cmd_up() {
     start_apiserver
     write_kubeconfig "$(cat "$DIR/run/apiserver.port")"
     write_env
+    trap - EXIT INT TERM
     log "up in $((SECONDS - t0))s: source $DIR/env"
 }
 
