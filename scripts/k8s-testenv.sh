@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # A real Kubernetes control plane for tests: etcd + kube-apiserver on loopback, no kubelet, no
 # controller manager. Binaries are built from Go modules (scripts/k8s-testenv/{kube,etcd}, helm
-# via `go install`) once, cached in ~/.cache/kinference/k8s/<version>/ and reused.
+# via `go install`) once, cached in ~/.cache/kinference/k8s/<name>-<version>[-<key>]/ (the key
+# hashes the Go version and the wrapper module's go.mod and go.sum) and reused. The first build
+# takes tens of minutes on 2 cores (docs/kubernetes.md has the measurements); `up` afterwards
+# takes seconds.
 #
 #   scripts/k8s-testenv.sh up DIR       build what is missing, start etcd + kube-apiserver, write
 #                                       DIR/kubeconfig (admin, group system:masters), DIR/bin/
@@ -19,8 +22,8 @@
 #
 # After `up`, `source DIR/env` exports:
 #   KUBECONFIG                  DIR/kubeconfig (kubectl, helm, kube-rs' Config::infer)
-#   KINFERENCE_K8S_KUBECONFIG   the same file; Rust tests that need a real API server run when
-#                               it is set and skip (saying so) when it is not
+#   KINFERENCE_K8S_KUBECONFIG   the same file, as the marker for tests that need a real API
+#                               server: they run when it is set and say they skip when it is not
 #   KINFERENCE_K8S_DIR          DIR (pass it to `pod-ready`, `apiserver-stop`, ...)
 #   PATH                        DIR/bin first
 #
@@ -400,7 +403,7 @@ cmd_pod_ready() {
         {\"type\":\"ContainersReady\",\"status\":\"$status\",\"lastTransitionTime\":\"$now\"}]}}"
 }
 
-usage() { sed -n '2,40p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 
 main() {
     local cmd=${1:-}
