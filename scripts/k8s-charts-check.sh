@@ -41,7 +41,7 @@ kinference_plurals() {
     local f
     for f in "$CRDS"/crds/kinference.io_*.yaml; do
         [ -e "$f" ] || continue
-        python3 -c 'import sys, yaml
+        "$PY" -c 'import sys, yaml
 for d in yaml.safe_load_all(open(sys.argv[1])):
     if d: print(d["spec"]["names"]["plural"])' "$f"
     done
@@ -61,20 +61,22 @@ lint_and_template() {
             --api-versions monitoring.coreos.com/v1/ServiceMonitor
         cp "$WORK/out" "$WORK/$name.yaml"
         # ServiceMonitor's CRD is not in this cluster; everything else is checked by the server.
-        python3 -c 'import sys, yaml
+        "$PY" -c 'import sys, yaml
 docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] != "ServiceMonitor"]
 print(yaml.safe_dump_all(docs))' "$WORK/$name.yaml" >"$WORK/$name.server.yaml"
         check "ci/$name: API server accepts the objects (dry run)" \
             kubectl create --dry-run=server -f "$WORK/$name.server.yaml"
     done
-    grep -q "kind: ServiceMonitor" "$WORK/xxhash-epp-monitoring-values.yaml" &&
-        ok "ServiceMonitor rendered when enabled" || bad "no ServiceMonitor rendered when enabled"
+    if grep -q "kind: ServiceMonitor" "$WORK/xxhash-epp-monitoring-values.yaml"; then
+        ok "ServiceMonitor rendered when enabled"
+    else bad "no ServiceMonitor rendered when enabled"; fi
     check "template kinference-crds installInferencePool=true" helm template c "$CRDS" --set installInferencePool=true
-    grep -q "name: inferencepools.inference.networking.k8s.io" "$WORK/out" &&
-        ok "InferencePool CRD rendered with installInferencePool=true" || bad "InferencePool CRD not rendered"
+    if grep -q "name: inferencepools.inference.networking.k8s.io" "$WORK/out"; then
+        ok "InferencePool CRD rendered with installInferencePool=true"
+    else bad "InferencePool CRD not rendered"; fi
     helm template c "$CRDS" >"$WORK/out" 2>&1
-    grep -q "inferencepools" "$WORK/out" && bad "InferencePool CRD rendered by default" ||
-        ok "InferencePool CRD not rendered by default"
+    if grep -q "inferencepools" "$WORK/out"; then bad "InferencePool CRD rendered by default"
+    else ok "InferencePool CRD not rendered by default"; fi
 }
 
 refused_values() {
@@ -96,8 +98,8 @@ inferencepool_schema() {
     echo "== InferencePool CRD schema vs GIE $GIE_VERSION"
     local up
     up=$(cd "$WORK" && go mod download -json "sigs.k8s.io/gateway-api-inference-extension@$GIE_VERSION" |
-        python3 -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
-    check "schema equal to upstream's (descriptions aside)" python3 - \
+        "$PY" -c 'import json, sys; print(json.load(sys.stdin)["Dir"])')
+    check "schema equal to upstream's (descriptions aside)" "$PY" - \
         "$up/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml" \
         "$CRDS/files/inference.networking.k8s.io_inferencepools.yaml" <<'EOF'
 import difflib, json, sys, yaml
@@ -212,7 +214,7 @@ rbac() {
         can_i yes "$v" pods -n models
         can_i yes "$v" inferencepools.inference.networking.k8s.io -n models
     done
-    for r in $(kinference_plurals) $(python3 -c 'import sys, yaml
+    for r in $(kinference_plurals) $("$PY" -c 'import sys, yaml
 print(" ".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"]))' "$CHART/values.yaml"); do
         for v in get list watch; do sar yes "$v" kinference.io "$r"; done
         for v in update patch; do sar yes "$v" kinference.io "$r" status; done
@@ -239,7 +241,7 @@ print(" ".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"])
 # Every CRD of the kinference-crds chart must be granted by the router chart's Role.
 kinference_in_sync() {
     local p granted
-    granted=" $(python3 -c 'import sys, yaml
+    granted=" $("$PY" -c 'import sys, yaml
 print(" ".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"]))' "$CHART/values.yaml") "
     for p in $(kinference_plurals); do
         case $granted in *" $p "*) ok "rbac.kinferenceResources has $p" ;; *) bad "rbac.kinferenceResources lacks $p (crds/)" ;; esac
@@ -307,9 +309,13 @@ uninstall() {
 }
 
 main() {
-    command -v python3 >/dev/null && python3 -c 'import yaml' ||
-        { echo "python3 with PyYAML is needed"; exit 1; }
-    kubectl version -o json | python3 -c 'import json, sys
+    # Any python3 with PyYAML; else the project's pinned venv (scripts/python-deps.sh has PyYAML).
+    PY=python3
+    if ! "$PY" -c 'import yaml' 2>/dev/null; then
+        bash "$ROOT/scripts/python-deps.sh" >/dev/null
+        PY="${KINFERENCE_PY_VENV:-$HOME/.cache/kinference/py}/bin/python"
+    fi
+    kubectl version -o json | "$PY" -c 'import json, sys
 v = json.load(sys.stdin); print("kubectl", v["clientVersion"]["gitVersion"], "server", v["serverVersion"]["gitVersion"])'
     helm version --short
     lint_and_template
