@@ -214,8 +214,7 @@ rbac() {
         can_i yes "$v" pods -n models
         can_i yes "$v" inferencepools.inference.networking.k8s.io -n models
     done
-    for r in $(kinference_plurals) $("$PY" -c 'import sys, yaml
-print(" ".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"]))' "$CHART/values.yaml"); do
+    for r in $({ kinference_plurals; granted_plurals; } | sort -u); do
         for v in get list watch; do sar yes "$v" kinference.io "$r"; done
         for v in update patch; do sar yes "$v" kinference.io "$r" status; done
         for v in create update patch delete; do sar no "$v" kinference.io "$r"; done
@@ -238,11 +237,16 @@ print(" ".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"])
     kinference_in_sync
 }
 
+# The kinference.io resources the router chart's Role grants by default.
+granted_plurals() {
+    "$PY" -c 'import sys, yaml
+print("\n".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"]))' "$CHART/values.yaml"
+}
+
 # Every CRD of the kinference-crds chart must be granted by the router chart's Role.
 kinference_in_sync() {
     local p granted
-    granted=" $("$PY" -c 'import sys, yaml
-print(" ".join(yaml.safe_load(open(sys.argv[1]))["rbac"]["kinferenceResources"]))' "$CHART/values.yaml") "
+    granted=" $(granted_plurals | tr '\n' ' ') "
     for p in $(kinference_plurals); do
         case $granted in *" $p "*) ok "rbac.kinferenceResources has $p" ;; *) bad "rbac.kinferenceResources lacks $p (crds/)" ;; esac
     done
