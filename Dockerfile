@@ -5,10 +5,11 @@
 #
 # The build needs only crates.io; tests are not run here (CI runs them on the source tree).
 
-FROM rust:1.95-bookworm AS build
+FROM rust:1.95.0-bookworm AS build
 WORKDIR /src
 COPY . .
-# rust-toolchain.toml pins 1.95.0, the version of this base image, so nothing is downloaded.
+# rust-toolchain.toml pins 1.95.0, this base image's toolchain; rustup may still fetch the
+# components it lists (rustfmt, clippy) on first use.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p kinference -p kinfctl \
