@@ -69,7 +69,7 @@ publish() {
     tmp=$(mktemp -d "$CACHE/.build.XXXXXX")
     chmod 755 "$tmp"
     local t0=$SECONDS
-    if ! "$fn" "$tmp" >"$tmp.log" 2>&1; then
+    if ! ("$fn" "$tmp") >"$tmp.log" 2>&1; then
         tail -n 40 "$tmp.log" >&2
         rm -rf "$tmp"
         die "building $(basename "$dest") failed (full log: $tmp.log)"
