@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2317 # build_* and *_ready are called by name (publish, wait_started)
 # A real Kubernetes control plane for tests: etcd + kube-apiserver on loopback, no kubelet, no
 # controller manager. Binaries are built from Go modules (scripts/k8s-testenv/{kube,etcd}, helm
 # via `go install`) once, cached in ~/.cache/kinference/k8s/<name>-<version>[-<key>]/ (the key
@@ -403,7 +404,7 @@ cmd_pod_ready() {
         {\"type\":\"ContainersReady\",\"status\":\"$status\",\"lastTransitionTime\":\"$now\"}]}}"
 }
 
-usage() { sed -n '2,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '3,/^set -euo/p' "${BASH_SOURCE[0]}" | sed '$d; s/^# \{0,1\}//' >&2; exit 2; }
 
 main() {
     local cmd=${1:-}
@@ -430,4 +431,6 @@ main() {
     esac
 }
 
-main "$@"
+# `exit` on the same line: bash reads a script while running it, and a checkout that changes this
+# file during a long build would otherwise run whatever text ends up after this line.
+main "$@"; exit
