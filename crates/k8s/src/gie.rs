@@ -24,7 +24,13 @@ use serde::{Deserialize, Serialize};
     plural = "inferencepools",
     shortname = "infpool",
     namespaced,
-    status = "InferencePoolStatus"
+    status = "InferencePoolStatus",
+    // `*.k8s.io` groups are protected: the API server refuses their CRDs without it. Upstream's
+    // value, so `InferencePool::crd()` is installable like upstream's file.
+    annotation(
+        "api-approved.kubernetes.io",
+        "https://github.com/kubernetes-sigs/gateway-api-inference-extension/pull/1173"
+    )
 )]
 #[serde(rename_all = "camelCase")]
 pub struct InferencePoolSpec {

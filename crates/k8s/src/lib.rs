@@ -10,6 +10,21 @@
 //! - [`status::StatusWriter`]: the router's report, by server-side apply with one field manager
 //!   (why one, and not a Lease: see that module).
 //!
+//! ```no_run
+//! # async fn router() -> Result<(), Box<dyn std::error::Error>> {
+//! use kinference_k8s::{client, diff, PoolWatcher, WatchConfig};
+//! let watcher = PoolWatcher::start(client(None).await?, WatchConfig::new("models", "llama"));
+//! let mut rx = watcher.subscribe();
+//! let mut held = rx.borrow_and_update().clone();
+//! while rx.changed().await.is_ok() {
+//!     let new = rx.borrow_and_update().clone();
+//!     let d = diff(&held, &new);
+//!     // Stop routing to d.left at once, add d.joined, rebuild d.changed; report new.state.
+//!     held = new;
+//! }
+//! # Ok(()) }
+//! ```
+//!
 //! Invariants: reading Kubernetes never panics and never takes other pools down; a pool that
 //! cannot be read is a [`PoolState::Error`] with a [`PoolError`] that names the fix.
 

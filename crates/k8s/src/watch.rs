@@ -107,6 +107,7 @@ where
     error: Option<PoolError>,
     watched: Watched,
     api: Api<K>,
+    wc: watcher::Config,
     probe: ListParams,
 }
 
@@ -115,12 +116,8 @@ where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Default + Eq + std::hash::Hash + Clone,
 {
-    fn new(api: Api<K>, cfg: watcher::Config, probe: ListParams, watched: Watched) -> Self {
-        let (store, writer) = reflector::store();
-        let stream = watcher(api.clone(), cfg)
-            .default_backoff()
-            .reflect(writer)
-            .boxed();
+    fn new(api: Api<K>, wc: watcher::Config, probe: ListParams, watched: Watched) -> Self {
+        let (store, stream) = reflected(&api, &wc);
         Source {
             store,
             stream,
@@ -128,8 +125,16 @@ where
             error: None,
             watched,
             api,
+            wc,
             probe,
         }
+    }
+
+    /// A fresh watch (and store, published once it has listed), with a fresh backoff.
+    fn restart(&mut self) {
+        (self.store, self.stream) = reflected(&self.api, &self.wc);
+        self.synced = false;
+        self.error = None;
     }
 
     fn on(&mut self, item: Option<Result<watcher::Event<K>, watcher::Error>>) {
@@ -153,20 +158,44 @@ where
         }
     }
 
-    /// A resumed watch sends nothing until something changes: ask once whether reads work.
-    async fn probe(&mut self) {
-        if self.error.is_none() {
+    /// After the API server was unreachable, the watcher's backoff may have grown to tens of
+    /// seconds (and a resumed watch says nothing until something changes): once a cheap list
+    /// answers again, restart the watch so it re-lists now. Denials and missing CRDs are left to
+    /// the watcher's own backoff, whose re-list clears them: probing those would re-list every
+    /// interval while they last.
+    async fn probe(&mut self, limit: Duration) {
+        if !matches!(
+            self.error,
+            Some(PoolError::Unreachable(_) | PoolError::Api { .. })
+        ) {
             return;
         }
-        if self.api.list_metadata(&self.probe).await.is_ok() {
-            tracing::info!(resource = self.watched.resource, "API answers again");
-            self.error = None;
+        let answered = tokio::time::timeout(limit, self.api.list_metadata(&self.probe)).await;
+        if matches!(answered, Ok(Ok(_))) {
+            tracing::info!(
+                resource = self.watched.resource,
+                "API answers again: re-listing"
+            );
+            self.restart();
         }
     }
 
     fn objects(&self) -> Vec<Arc<K>> {
         self.store.state()
     }
+}
+
+fn reflected<K>(api: &Api<K>, wc: &watcher::Config) -> (Store<K>, Events<K>)
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Default + Eq + std::hash::Hash + Clone,
+{
+    let (store, writer) = reflector::store();
+    let stream = watcher(api.clone(), wc.clone())
+        .default_backoff()
+        .reflect(writer)
+        .boxed();
+    (store, stream)
 }
 
 async fn next<K>(s: &mut Option<Source<K>>) -> Option<Result<watcher::Event<K>, watcher::Error>>
@@ -245,6 +274,10 @@ impl Sources {
 
     /// Restarts the pod watch when the pool's selector changed (or the pool came or went).
     fn follow_selector(&mut self, client: &Client, cfg: &WatchConfig) {
+        if !self.pools.synced {
+            // A (re)starting pool watch has an empty store: that is not the pool going away.
+            return;
+        }
         let want = self.pool().map(|p| p.spec.selector.match_labels.clone());
         if want == self.selector {
             return;
@@ -262,13 +295,13 @@ impl Sources {
             || self.routing.as_ref().is_some_and(|r| r.error.is_some())
     }
 
-    async fn probe(&mut self) {
-        self.pools.probe().await;
+    async fn probe(&mut self, limit: Duration) {
+        self.pools.probe(limit).await;
         if let Some(p) = &mut self.pods {
-            p.probe().await;
+            p.probe(limit).await;
         }
         if let Some(r) = &mut self.routing {
-            r.probe().await;
+            r.probe(limit).await;
         }
     }
 }
@@ -287,7 +320,7 @@ async fn run(client: Client, cfg: WatchConfig, tx: watch::Sender<PoolSnapshot>) 
             ev = src.pools.stream.next() => src.pools.on(ev),
             ev = next(&mut src.pods) => if let Some(p) = &mut src.pods { p.on(ev) },
             ev = next(&mut src.routing) => if let Some(r) = &mut src.routing { r.on(ev) },
-            _ = probe.tick(), if errored => src.probe().await,
+            _ = probe.tick(), if errored => src.probe(cfg.probe_interval).await,
         }
         src.follow_selector(&client, &cfg);
         let mut next = compose(&src, &cfg, &snap);
@@ -300,25 +333,39 @@ async fn run(client: Client, cfg: WatchConfig, tx: watch::Sender<PoolSnapshot>) 
     }
 }
 
+/// Whether the routing watch has listed (or failed), and the pool's `KinferencePool` (the
+/// first by name when several name the pool); the previous one until the watch has listed.
+fn routing_of(src: &Sources, cfg: &WatchConfig, prev: &PoolSnapshot) -> (bool, Option<Routing>) {
+    let Some(r) = &src.routing else {
+        return (true, None);
+    };
+    if !(r.synced || r.error.is_some()) {
+        return (false, prev.routing.clone());
+    }
+    let ours = r
+        .objects()
+        .into_iter()
+        .filter(|o| o.spec.pool_ref.name == cfg.pool)
+        .min_by(|a, b| a.metadata.name.cmp(&b.metadata.name));
+    let routing = ours.map(|o| Routing {
+        name: o.metadata.name.clone().unwrap_or_default(),
+        generation: o.metadata.generation,
+        spec: o.spec.clone(),
+    });
+    (true, routing)
+}
+
 /// The snapshot the sources describe now; `prev` supplies the endpoints while a watch has not
 /// listed yet.
 fn compose(src: &Sources, cfg: &WatchConfig, prev: &PoolSnapshot) -> PoolSnapshot {
     let mut snap = PoolSnapshot {
         revision: prev.revision,
+        pool_generation: prev.pool_generation,
         endpoints: prev.endpoints.clone(),
         ..PoolSnapshot::syncing(&cfg.namespace, &cfg.pool)
     };
-    let routing = src.routing.as_ref().and_then(|r| {
-        r.objects()
-            .into_iter()
-            .filter(|o| o.spec.pool_ref.name == cfg.pool)
-            .min_by(|a, b| a.metadata.name.cmp(&b.metadata.name))
-    });
-    snap.routing = routing.as_ref().map(|r| Routing {
-        name: r.metadata.name.clone().unwrap_or_default(),
-        generation: r.metadata.generation,
-        spec: r.spec.clone(),
-    });
+    let (routing_settled, routing) = routing_of(src, cfg, prev);
+    snap.routing = routing;
     let errors = [
         src.pools.error.clone(),
         src.pods.as_ref().and_then(|p| p.error.clone()),
@@ -328,6 +375,7 @@ fn compose(src: &Sources, cfg: &WatchConfig, prev: &PoolSnapshot) -> PoolSnapsho
     let Some(pool) = src.pool() else {
         if src.pools.synced {
             snap.endpoints.clear();
+            snap.pool_generation = None;
             snap.state = PoolState::Error(first_error.unwrap_or(PoolError::PoolNotFound {
                 namespace: cfg.namespace.clone(),
                 name: cfg.pool.clone(),
@@ -338,15 +386,11 @@ fn compose(src: &Sources, cfg: &WatchConfig, prev: &PoolSnapshot) -> PoolSnapsho
         return snap;
     };
     snap.pool_generation = pool.metadata.generation;
-    let routing_settled = src
-        .routing
-        .as_ref()
-        .is_none_or(|r| r.synced || r.error.is_some());
     let pods_synced = src.pods.as_ref().is_some_and(|p| p.synced);
     let mut computed = Ok(());
     if (pods_synced || src.pods.is_none()) && routing_settled {
         let pods = src.pods.as_ref().map(|p| p.objects()).unwrap_or_default();
-        let events = routing.as_ref().map(|r| &r.spec.events);
+        let events = snap.routing.as_ref().map(|r| &r.spec.events);
         match endpoints(&pool, pods.iter().map(|p| p.as_ref()), events) {
             Ok(eps) => snap.endpoints = eps,
             Err(e) => {

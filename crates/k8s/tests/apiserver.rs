@@ -214,6 +214,10 @@ async fn grant(client: &Client, ns: &str, user: &str, rules: Vec<PolicyRule>) {
         .unwrap();
 }
 
+fn denied(s: &kinference_k8s::PoolSnapshot, resource: &str) -> bool {
+    matches!(&s.state, PoolState::Error(PoolError::Forbidden { access, .. }) if access.resource == resource)
+}
+
 fn rule(group: &str, resource: &str) -> PolicyRule {
     PolicyRule {
         api_groups: Some(vec![group.to_owned()]),
@@ -237,10 +241,8 @@ async fn rbac_denial_names_the_missing_permission() {
     let nobody = as_user(&kc, "kinference-nobody").await;
     let w = start(&nobody, &ns, "p");
     let mut rx = w.subscribe();
-    let s = snapshot_where(&mut rx, "forbidden", |s| {
-        matches!(s.state, PoolState::Error(_))
-    })
-    .await;
+    // The pool's own error outranks the others once it is in (the watches fail in any order).
+    let s = snapshot_where(&mut rx, "pool forbidden", |s| denied(s, "inferencepools")).await;
     let PoolState::Error(err) = &s.state else {
         unreachable!()
     };
@@ -268,10 +270,7 @@ async fn rbac_denial_names_the_missing_permission() {
     .await;
     let w = start(&as_user(&kc, user).await, &ns, "p");
     let mut rx = w.subscribe();
-    let s = snapshot_where(&mut rx, "pods forbidden", |s| {
-        matches!(s.state, PoolState::Error(_))
-    })
-    .await;
+    let s = snapshot_where(&mut rx, "pods forbidden", |s| denied(s, "pods")).await;
     let text = format!("{:?}", s.state);
     eprintln!(
         "no pods: {}",

@@ -70,17 +70,21 @@ async fn missing_crds_are_reported_and_recovered_from() {
     remove_crd(&client, ours).await;
     let w2 = PoolWatcher::start(client.clone(), WatchConfig::new(&ns, "p"));
     let mut rx2 = w2.subscribe();
-    let s = snapshot_where(&mut rx2, "routing CRD missing", |s| {
-        matches!(
+    let s = snapshot_where(&mut rx2, "routing CRD missing, pod a routable", |s| {
+        let ours_missing = matches!(
             s.state,
             PoolState::Error(PoolError::CrdMissing {
                 group: "kinference.io",
                 ..
             })
-        )
+        );
+        ours_missing && s.endpoints.contains_key("a")
     })
     .await;
-    assert!(s.endpoints.contains_key("a"));
+    assert_eq!(
+        s.endpoints["a"].events,
+        kinference_k8s::EventSource::Discover
+    );
     install_crds(&client).await;
     // Leave the API as the other test binaries expect it.
     let api: Api<kinference_k8s::KinferencePool> = Api::namespaced(client.clone(), &ns);
