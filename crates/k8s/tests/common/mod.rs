@@ -94,8 +94,25 @@ pub async fn install_crd(client: &Client, crd: CustomResourceDefinition) {
     .unwrap_or_else(|| panic!("CRD {name} not established"));
 }
 
+/// The InferencePool CRD the charts ship (upstream's schema) when this checkout has it, else
+/// the one derived from our type: with the chart's, every pool the tests create also passes
+/// upstream's validation, which keeps `gie.rs` honest.
+fn inference_pool_crd() -> CustomResourceDefinition {
+    let chart = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../charts/kinference-crds/files/inference.networking.k8s.io_inferencepools.yaml");
+    let path = std::env::var_os("KINFERENCE_K8S_INFERENCEPOOL_CRD")
+        .map(PathBuf::from)
+        .unwrap_or(chart);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => {
+            serde_yaml_ng::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+        }
+        Err(_) => InferencePool::crd(),
+    }
+}
+
 pub async fn install_crds(client: &Client) {
-    install_crd(client, InferencePool::crd()).await;
+    install_crd(client, inference_pool_crd()).await;
     for crd in kinference_k8s::crds() {
         install_crd(client, crd).await;
     }
