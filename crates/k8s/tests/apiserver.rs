@@ -88,6 +88,17 @@ async fn snapshot_follows_pods() {
     let s = snapshot_where(&mut rx, "b deleted", |s| !s.endpoints.contains_key("b")).await;
     assert_eq!(s.endpoints.keys().collect::<Vec<_>>(), ["a"]);
     assert_eq!(s.state, PoolState::Ready);
+
+    // A graceful delete: the pod stays (Terminating, no kubelet to finish it) but leaves at once.
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
+    pods.delete("a", &DeleteParams::default()).await.unwrap();
+    let s = snapshot_where(&mut rx, "a terminating", |s| s.endpoints.is_empty()).await;
+    assert_eq!(s.state, PoolState::Ready);
+    let a = pods.get("a").await.unwrap();
+    assert!(
+        a.metadata.deletion_timestamp.is_some(),
+        "a is still there, terminating"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
