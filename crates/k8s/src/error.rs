@@ -85,6 +85,13 @@ pub(crate) struct Watched {
     pub namespace: String,
 }
 
+/// 410 Gone: the watch's resource version was compacted away. kube's watcher re-lists on its
+/// own; it is routine, not a failure to report (it would flip the pool to an error for the
+/// length of a backoff).
+pub(crate) fn is_routine(err: &watcher::Error) -> bool {
+    matches!(err, watcher::Error::WatchError(status) if status.code == 410)
+}
+
 impl Watched {
     pub fn classify(&self, err: &watcher::Error) -> PoolError {
         let (verb, client_err) = match err {
@@ -188,5 +195,14 @@ mod tests {
                 .metric_label(),
             "api"
         );
+    }
+
+    #[test]
+    fn gone_is_routine() {
+        let gone =
+            kube::core::Status::failure("too old resource version", "Expired").with_code(410);
+        assert!(is_routine(&watcher::Error::WatchError(gone.boxed())));
+        let forbidden = kube::core::Status::failure("no", "Forbidden").with_code(403);
+        assert!(!is_routine(&watcher::Error::WatchError(forbidden.boxed())));
     }
 }

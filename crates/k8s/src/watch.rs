@@ -34,7 +34,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::crd::KinferencePool;
-use crate::error::{PoolError, Watched};
+use crate::error::{is_routine, PoolError, Watched};
 use crate::gie::InferencePool;
 use crate::snapshot::{endpoints, PoolSnapshot, PoolState, Routing};
 
@@ -146,6 +146,9 @@ where
                 if matches!(ev, watcher::Event::InitDone) {
                     self.synced = true;
                 }
+            }
+            Some(Err(e)) if is_routine(&e) => {
+                tracing::debug!(resource = self.watched.resource, error = %e, "re-listing");
             }
             Some(Err(e)) => {
                 let err = self.watched.classify(&e);
