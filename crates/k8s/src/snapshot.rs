@@ -1,7 +1,7 @@
 //! What discovery hands the router: an immutable [`PoolSnapshot`] of one pool's endpoints, and
 //! [`diff`], the pure comparison of two snapshots the router applies (joined, left, changed).
 //!
-//! Invariants: a snapshot is a pure function of the pool, its pods and its routing object
+//! Invariants: a snapshot is a pure function of the pool, its pods and its `KinferencePool`
 //! ([`endpoints`]); only pods with an IP, `Ready=True` and no `deletionTimestamp` are endpoints;
 //! `revision` grows by one each time the published content changes; applying `diff(a, b)` to
 //! `a`'s endpoints gives exactly `b`'s.

@@ -5,16 +5,19 @@
 //! ```text
 //!  watcher(InferencePool, name=P) ─┐
 //!  watcher(Pod, selector of P) ────┼─▶ reflector stores ─▶ endpoints() ─▶ watch::Sender<PoolSnapshot>
-//!  watcher(KinferencePool) ──┘          (one task, one writer)          │
-//!                                                                    router: diff(old, new)
+//!  watcher(KinferencePool) ────────┘   (one task, the channel's one writer)        │
+//!                                                                     router: diff(old, new)
 //! ```
 //!
-//! Invariants: kube's `watcher` re-lists on 410 Gone and resumes after API-server restarts,
-//! with its default backoff; a failing watch sets an error state but keeps the last known
-//! endpoints (routing goes on with the last fleet), except when the pool itself is gone. The
-//! pod watch follows selector changes: a new one starts and the old endpoints stay published
-//! until it has listed. Errors are cleared by the next successful event, or, since a resumed
-//! watch sends nothing until something changes, by a cheap list probe every `probe_interval`.
+//! Invariants: kube's `watcher` re-lists on 410 Gone (routine, not reported) and resumes after
+//! API-server restarts, with its default backoff; a failing watch sets an error state but keeps
+//! the last known endpoints (routing goes on with the last fleet), except when the pool itself
+//! is gone. The pod watch follows selector changes: a new one starts and the old endpoints stay
+//! published until it has listed. Errors are cleared by the next successful event. Since the
+//! backoff grows to tens of seconds during an outage, and a resumed watch says nothing until
+//! something changes, a watch that failed to reach the API server is also probed every
+//! `probe_interval` with a one-item list, and restarted (re-listing, old endpoints still
+//! published until then) as soon as that answers.
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;

@@ -1,6 +1,6 @@
 //! Discovery and status against a real kube-apiserver (`KINFERENCE_K8S_KUBECONFIG`; see
 //! `common`): pods joining, leaving, turning unready, changing IP or labels; a deleted pool
-//! next to a healthy one; RBAC denial naming the missing permission; the routing object's
+//! next to a healthy one; RBAC denial naming the missing permission; the `KinferencePool`'s
 //! event settings; status applied by two routers. Run with `--nocapture` to see the measured
 //! discovery latencies.
 
@@ -88,7 +88,20 @@ async fn snapshot_follows_pods() {
     let s = snapshot_where(&mut rx, "b deleted", |s| !s.endpoints.contains_key("b")).await;
     assert_eq!(s.endpoints.keys().collect::<Vec<_>>(), ["a"]);
     assert_eq!(s.state, PoolState::Ready);
+}
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminating_pod_leaves_at_once() {
+    let Some(kc) = kubeconfig() else { return };
+    let client = admin(&kc).await;
+    install_crds(&client).await;
+    let ns = namespace(&client, "terminating").await;
+    create_pool(&client, &ns, "p", "vllm", &[8000]).await;
+    create_pod(&client, &ns, "a", app("vllm")).await;
+    set_pod_status(&client, &ns, "a", "127.0.0.16", true).await;
+    let w = start(&client, &ns, "p");
+    let mut rx = w.subscribe();
+    snapshot_where(&mut rx, "a", |s| ready(s) && s.endpoints.contains_key("a")).await;
     // A graceful delete: the pod stays (Terminating, no kubelet to finish it) but leaves at once.
     let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), &ns);
     pods.delete("a", &DeleteParams::default()).await.unwrap();
@@ -316,7 +329,7 @@ fn routing_spec(pool: &str, port: Option<u16>) -> KinferencePoolSpec {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn routing_object_sets_event_endpoints_and_annotation_overrides() {
+async fn kinference_pool_sets_event_endpoints_and_annotation_overrides() {
     let Some(kc) = kubeconfig() else { return };
     let client = admin(&kc).await;
     install_crds(&client).await;

@@ -65,10 +65,18 @@ async fn missing_crds_are_reported_and_recovered_from() {
     })
     .await;
 
-    // Our own CRD missing: reported, while the pool's endpoints stay routable.
+    our_crd_missing(&client, &ns).await;
+    install_crds(&client).await;
+    // Leave the API as the other test binaries expect it.
+    let api: Api<kinference_k8s::KinferencePool> = Api::namespaced(client.clone(), &ns);
+    assert!(api.list(&ListParams::default()).await.is_ok());
+}
+
+/// Our own CRD missing: reported, while the pool's endpoints stay routable.
+async fn our_crd_missing(client: &Client, ns: &str) {
     let ours = kinference_k8s::KinferencePool::crd_name();
-    remove_crd(&client, ours).await;
-    let w2 = PoolWatcher::start(client.clone(), WatchConfig::new(&ns, "p"));
+    remove_crd(client, ours).await;
+    let w2 = PoolWatcher::start(client.clone(), WatchConfig::new(ns, "p"));
     let mut rx2 = w2.subscribe();
     let s = snapshot_where(&mut rx2, "routing CRD missing, pod a routable", |s| {
         let ours_missing = matches!(
@@ -85,8 +93,4 @@ async fn missing_crds_are_reported_and_recovered_from() {
         s.endpoints["a"].events,
         kinference_k8s::EventSource::Discover
     );
-    install_crds(&client).await;
-    // Leave the API as the other test binaries expect it.
-    let api: Api<kinference_k8s::KinferencePool> = Api::namespaced(client.clone(), &ns);
-    assert!(api.list(&ListParams::default()).await.is_ok());
 }
