@@ -483,3 +483,43 @@ async fn discovery_latency() {
         "a change took {max:?} to reach the snapshot"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scale_up_and_down_latency() {
+    let Some(kc) = kubeconfig() else { return };
+    let client = admin(&kc).await;
+    install_crds(&client).await;
+    let ns = namespace(&client, "scale").await;
+    create_pool(&client, &ns, "p", "vllm", &[8000]).await;
+    let names: Vec<String> = (0..8).map(|i| format!("r{i}")).collect();
+    for n in &names {
+        create_pod(&client, &ns, n, app("vllm")).await;
+    }
+    let w = start(&client, &ns, "p");
+    let mut rx = w.subscribe();
+    snapshot_where(&mut rx, "synced", ready).await;
+    // 0 -> 8 Ready at once (concurrent status updates), then 8 -> 2.
+    let t = Instant::now();
+    let ups = names.iter().enumerate().map(|(i, n)| {
+        let (client, ns) = (client.clone(), ns.clone());
+        let ip = format!("127.0.1.{}", i + 1);
+        async move { set_pod_status(&client, &ns, n, &ip, true).await }
+    });
+    futures::future::join_all(ups).await;
+    snapshot_where(&mut rx, "8 endpoints", |s| s.endpoints.len() == 8).await;
+    let up = t.elapsed();
+    let t = Instant::now();
+    let downs = names[2..].iter().map(|n| {
+        let (client, ns) = (client.clone(), ns.clone());
+        async move { delete_pod(&client, &ns, n).await }
+    });
+    futures::future::join_all(downs).await;
+    snapshot_where(&mut rx, "2 endpoints", |s| s.endpoints.len() == 2).await;
+    let down = t.elapsed();
+    println!(
+        "scale: 0 -> 8 Ready in {:.1} ms, 8 -> 2 (6 deleted) in {:.1} ms (first update to last snapshot)",
+        up.as_secs_f64() * 1e3,
+        down.as_secs_f64() * 1e3
+    );
+    assert!(up < Duration::from_secs(1) && down < Duration::from_secs(1));
+}
