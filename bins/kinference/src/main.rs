@@ -1,8 +1,10 @@
 //! `kinference`: one binary for the router (`serve`), the simulated vLLM fleet (`sim`), the
-//! trace-replay benchmark (`bench`) and the one-command demo (`demo`). Each subcommand lives in
-//! its own module; this file only parses the command line and sets up logging.
+//! trace-replay benchmark (`bench`), the one-command demo (`demo`) and the CRD generator
+//! (`crdgen`). Each subcommand lives in its own module; this file only parses the command line
+//! and sets up logging.
 
 mod bench;
+mod crdgen;
 mod demo;
 mod serve;
 mod sim;
@@ -36,6 +38,8 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Simulated replicas + the router + a bundled workload: round-robin vs. kinference.
     Demo(demo::DemoArgs),
+    /// Print the kinference.io CustomResourceDefinitions (YAML), generated from the Rust types.
+    Crdgen(crdgen::CrdgenArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -52,5 +56,6 @@ fn main() -> anyhow::Result<()> {
         Command::Sim(a) => sim::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Demo(a) => demo::run(a),
+        Command::Crdgen(a) => crdgen::run(a),
     }
 }

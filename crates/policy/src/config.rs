@@ -160,6 +160,19 @@ impl PolicyConfig {
         })
     }
 
+    /// `self` if it validates, else every problem joined with `; `.
+    pub fn checked(self) -> Result<Self, String> {
+        let errs = self.validate();
+        if errs.is_empty() {
+            return Ok(self);
+        }
+        Err(errs
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join("; "))
+    }
+
     /// Every problem with the settings, not just the first.
     pub fn validate(&self) -> Vec<ConfigError> {
         let mut errs = Vec::new();
