@@ -1,16 +1,18 @@
 //! KV-event endpoint discovery through a replica's `GET /kv_event_sources`
 //! (`{dp_rank: KVEventsConfig}` with resolved endpoints), retried until it succeeds.
 //!
-//! Invariants: an endpoint a publisher bound on a wildcard host (`*`, `0.0.0.0`, `::`) is
-//! dialled at the replica's own host; any other endpoint follows vLLM's rule (the publisher
-//! connected to it, so the router binds it). The event plane offsets a base endpoint by the DP
-//! rank, so the per-rank endpoints the replica reports are turned back into base endpoints
-//! (port − rank) before subscribing.
+//! Invariants: endpoints are resolved by the workspace's one resolver
+//! ([`kinference_events::resolve_endpoint`]: a wildcard host is dialled at the replica's own
+//! host, an endpoint the publisher connected to is bound). The event plane offsets a base
+//! endpoint by the DP rank, so the per-rank endpoints the replica reports are turned back into
+//! base endpoints (port − rank) before subscribing.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use kinference_events::{EventPlane, WorkerConfig};
+use kinference_events::{
+    resolve_endpoint, resolve_replay, EndpointError, EventPlane, WorkerConfig,
+};
 use kinference_vllm::DpRank;
 use serde::Deserialize;
 
@@ -31,35 +33,6 @@ struct Source {
 
 fn yes() -> bool {
     true
-}
-
-/// Host and port of `tcp://HOST:PORT` (IPv6 hosts in brackets).
-fn split_tcp(ep: &str) -> Option<(&str, u16)> {
-    let rest = ep.strip_prefix("tcp://")?;
-    let (host, port) = rest.rsplit_once(':')?;
-    Some((host, port.parse().ok()?))
-}
-
-fn is_wildcard(host: &str) -> bool {
-    matches!(host, "*" | "0.0.0.0" | "::" | "[::]" | "[*]")
-}
-
-/// (our socket binds?, base address) for a rank's reported endpoint.
-fn resolve(ep: &str, rank: u32, replica_host: &str) -> Result<(bool, String), String> {
-    let (host, port) = split_tcp(ep).ok_or_else(|| format!("unsupported endpoint {ep:?}"))?;
-    let base_port = port
-        .checked_sub(u16::try_from(rank).map_err(|_| "rank too large".to_owned())?)
-        .ok_or_else(|| format!("{ep}: port below its DP rank {rank}"))?;
-    if is_wildcard(host) {
-        Ok((false, format!("tcp://{replica_host}:{base_port}")))
-    } else {
-        Ok((true, format!("tcp://{host}:{base_port}")))
-    }
-}
-
-fn replay_base(ep: &str, rank: u32, replica_host: &str) -> Result<String, String> {
-    // A replay ROUTER always binds: dial it, at the replica's host when it bound a wildcard.
-    resolve(ep, rank, replica_host).map(|(_, a)| a)
 }
 
 /// Fetches the sources and subscribes to each rank; returns the number of ranks subscribed.
@@ -97,18 +70,16 @@ async fn discover_once(
             tracing::warn!(replica = %replica.url(), rank, "event source for a rank beyond dp_ranks; ignored");
             continue;
         }
-        let (bind, base) =
-            resolve(&src.endpoint, offset, host).map_err(DiscoveryError::Endpoint)?;
-        let mut wc = if bind {
-            WorkerConfig::bind(replica.id, DpRank(rank), &base)
+        let ep = resolve_endpoint(&src.endpoint, offset, host)?;
+        let mut wc = if ep.we_bind {
+            WorkerConfig::bind(replica.id, DpRank(rank), &ep.base)
         } else {
-            WorkerConfig::connect(replica.id, DpRank(rank), &base)
+            WorkerConfig::connect(replica.id, DpRank(rank), &ep.base)
         };
         let topic = src.topic.clone().unwrap_or_else(|| replica.topic.clone());
         wc = wc.with_topic(&topic);
         if let Some(rep) = &src.replay_endpoint {
-            let base = replay_base(rep, offset, host).map_err(DiscoveryError::Endpoint)?;
-            wc = wc.with_replay(&base);
+            wc = wc.with_replay(&resolve_replay(rep, offset, host)?);
         }
         match plane.add_worker(wc).await {
             Ok(_) | Err(kinference_events::EventsError::DuplicateWorker(_)) => added += 1,
@@ -129,8 +100,8 @@ enum DiscoveryError {
     Json(String),
     #[error("/kv_event_sources: rank {0:?} is not a number")]
     Rank(String),
-    #[error("{0}")]
-    Endpoint(String),
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
     #[error(transparent)]
     Subscribe(kinference_events::EventsError),
 }
@@ -157,30 +128,5 @@ pub(crate) async fn run(fleet: Arc<Fleet>, pool: usize, replica: Arc<Replica>) {
         drop(plane);
         tokio::time::sleep(wait).await;
         wait = (wait * 2).min(Duration::from_secs(30));
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use super::*;
-
-    #[test]
-    fn endpoints_resolve_like_vllm_binds_them() {
-        assert_eq!(
-            resolve("tcp://*:5557", 0, "10.0.0.5").unwrap(),
-            (false, "tcp://10.0.0.5:5557".into())
-        );
-        assert_eq!(
-            resolve("tcp://0.0.0.0:5559", 2, "h").unwrap(),
-            (false, "tcp://h:5557".into())
-        );
-        assert_eq!(
-            resolve("tcp://10.0.0.9:6000", 0, "h").unwrap(),
-            (true, "tcp://10.0.0.9:6000".into())
-        );
-        assert!(resolve("ipc:///tmp/x", 0, "h").is_err());
-        assert!(resolve("tcp://*:1", 2, "h").is_err());
     }
 }

@@ -9,7 +9,7 @@
 //!      read body (≤ max_body_bytes, else 413) ── parse `model` (400) ── pool lookup (404)
 //!      tokenize once, as vLLM does ── block hashes (pool's block size, algorithm, seed,
 //!                                     LoRA, cache_salt)
-//!      Pool::candidates: one index read lock (longest_prefix) + load atomics per worker
+//!      decide::route: one index read lock (longest_prefix) + load atomics per worker
 //!      policy lock: select + apply (speculative entries) ── Decision.ranked
 //!      forward the original bytes to ranked[0] (+ X-data-parallel-rank when D > 1);
 //!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503)

@@ -17,6 +17,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use kinference_events::WorkerHealth;
+use kinference_vllm::metrics::text;
 use kinference_vllm::{BlockHasher, RequestExtras};
 
 use crate::api::CacheConfigStatus;
@@ -39,23 +40,19 @@ pub(crate) struct EngineLoad {
     pub kv_usage: f64,
 }
 
-/// Parses the Prometheus text exposition of a vLLM replica. Unknown lines are ignored.
+/// Reads a vLLM replica's Prometheus text page (the workspace's one parser). Unknown and
+/// malformed lines are ignored; counters that are not finite do not count.
 pub(crate) fn parse(text: &str) -> Scraped {
     let mut out = Scraped::default();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let Some((name, labels, value)) = split_sample(line) else {
-            continue;
-        };
+    for sample in text::parse(text).filter_map(Result::ok) {
+        let value = sample.value;
         let engine = || {
-            label(labels, "engine")
+            sample
+                .label("engine")
                 .and_then(|e| e.parse::<u32>().ok())
                 .unwrap_or(0)
         };
-        match name {
+        match sample.name {
             "vllm:num_requests_running" => {
                 out.engines.entry(engine()).or_default().running += value
             }
@@ -74,9 +71,12 @@ pub(crate) fn parse(text: &str) -> Scraped {
             }
             "vllm:cache_config_info" => {
                 out.cache_config = Some(CacheConfigStatus {
-                    block_size: label(labels, "block_size").and_then(|v| v.parse().ok()),
-                    hash_algo: label(labels, "prefix_caching_hash_algo").map(str::to_owned),
-                    prefix_caching: label(labels, "enable_prefix_caching")
+                    block_size: sample.label("block_size").and_then(|v| v.parse().ok()),
+                    hash_algo: sample
+                        .label("prefix_caching_hash_algo")
+                        .map(std::borrow::Cow::into_owned),
+                    prefix_caching: sample
+                        .label("enable_prefix_caching")
                         .map(|v| v.eq_ignore_ascii_case("true")),
                 });
             }
@@ -84,58 +84,6 @@ pub(crate) fn parse(text: &str) -> Scraped {
         }
     }
     out
-}
-
-/// `name{labels} value [timestamp]` → (name, labels text, value).
-fn split_sample(line: &str) -> Option<(&str, &str, f64)> {
-    let (name, rest) = match line.find('{') {
-        Some(open) => {
-            let close = line[open..].rfind('}')? + open;
-            (&line[..open], (&line[open + 1..close], &line[close + 1..]))
-        }
-        None => {
-            let sp = line.find(char::is_whitespace)?;
-            (&line[..sp], ("", &line[sp..]))
-        }
-    };
-    let (labels, tail) = rest;
-    let value = tail.split_whitespace().next()?;
-    let value = match value {
-        "+Inf" => f64::INFINITY,
-        "-Inf" => f64::NEG_INFINITY,
-        v => v.parse().ok()?,
-    };
-    Some((name.trim(), labels, value))
-}
-
-/// The value of label `key` in `a="x",b="y"` (escapes are not decoded: vLLM's values that
-/// matter here have none).
-fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
-    let mut rest = labels;
-    while !rest.is_empty() {
-        let eq = rest.find('=')?;
-        let k = rest[..eq].trim().trim_start_matches(',').trim();
-        let after = rest[eq + 1..].trim_start();
-        let after = after.strip_prefix('"')?;
-        let mut end = None;
-        let mut escaped = false;
-        for (i, c) in after.char_indices() {
-            match c {
-                '\\' if !escaped => escaped = true,
-                '"' if !escaped => {
-                    end = Some(i);
-                    break;
-                }
-                _ => escaped = false,
-            }
-        }
-        let end = end?;
-        if k == key {
-            return Some(&after[..end]);
-        }
-        rest = &after[end + 1..];
-    }
-    None
 }
 
 /// Why the router cannot reproduce a replica's hashes, if it cannot.
@@ -353,17 +301,6 @@ vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 2
         assert_eq!(c.prefix_caching, Some(true));
         assert_eq!(s.prefix_cache_hits, Some(64.0));
         assert_eq!(s.prefix_cache_queries, Some(120.0));
-    }
-
-    #[test]
-    fn labels_with_commas_and_escapes() {
-        let l = r#"a="x,y",b="say \"hi\"",c="3""#;
-        assert_eq!(label(l, "a"), Some("x,y"));
-        assert_eq!(label(l, "b"), Some(r#"say \"hi\""#));
-        assert_eq!(label(l, "c"), Some("3"));
-        assert_eq!(label(l, "d"), None);
-        assert_eq!(split_sample("up 1 1700000000"), Some(("up", "", 1.0)));
-        assert_eq!(split_sample("garbage"), None);
     }
 
     fn health_with(block_size: Option<u32>, roots: &[(&BlockHasher, u32)]) -> WorkerHealth {
