@@ -246,7 +246,7 @@ pub(crate) fn by_load(pool: &Pool) -> Vec<Target> {
 
 /// The replicas a request may go to: every one not known to be down, or all of them when
 /// every one is down.
-pub(crate) fn usable(replicas: &[Arc<Replica>]) -> impl Iterator<Item = &Arc<Replica>> {
+fn usable(replicas: &[Arc<Replica>]) -> impl Iterator<Item = &Arc<Replica>> {
     let all_down = replicas.iter().all(|r| r.health() == Health::Down);
     replicas
         .iter()
