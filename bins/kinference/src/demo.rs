@@ -21,11 +21,15 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Parser;
 use kinference_bench::live::{LiveOptions, LiveTarget};
+use kinference_bench::report::comparison;
 use kinference_bench::synth::MultiTurn;
 use kinference_bench::text::TextGen;
-use kinference_bench::{summarize, Arrivals, Costs, PolicyRun, Report, RunReport, SimSetup};
+use kinference_bench::{
+    summarize, Arrivals, Costs, PolicyRun, Report, RunReport, SimSetup, Workload,
+};
 use kinference_proxy::{Config, EventsSpec, PoolConfig, Proxy, ReplicaSpec};
 use kinference_sim_server::cli::SimArgs;
+use kinference_sim_server::Server;
 use kinference_tokenize::Tokenizer;
 use tokio::net::TcpListener;
 
@@ -126,65 +130,134 @@ async fn demo(args: &DemoArgs, scratch: &Path) -> anyhow::Result<()> {
     };
     let tokenizer = Tokenizer::from_dir(&tokenizer_dir)
         .with_context(|| format!("loading the tokenizer in {}", tokenizer_dir.display()))?;
-
-    // The replicas: `kinference sim` as a library, every port chosen by the OS.
-    let num_blocks = (args.kv_tokens / BLOCK_SIZE as usize).max(2);
-    let sim_flags = [
-        "sim".to_owned(),
-        "--tokenizer".into(),
-        tokenizer_dir.display().to_string(),
-        "--host".into(),
-        "127.0.0.1".into(),
-        "--port".into(),
-        "0".into(),
-        "--replicas".into(),
-        args.replicas.to_string(),
-        "--served-model-name".into(),
-        MODEL.into(),
-        "--profile".into(),
-        args.profile.clone(),
-        "--block-size".into(),
-        BLOCK_SIZE.to_string(),
-        "--num-gpu-blocks".into(),
-        num_blocks.to_string(),
-        "--speedup".into(),
-        args.speedup.to_string(),
-        "--kv-events-config".into(),
-        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0"}"#.into(),
-    ];
-    let sim = SimFlags::try_parse_from(&sim_flags).context("simulator settings")?;
-    let servers = kinference_sim_server::cli::start(sim.args.plans()?).await?;
-    let mut replicas = Vec::new();
-    for s in &servers {
-        let url = format!("http://{}", s.addr);
-        let eps = s
-            .endpoints
-            .as_ref()
-            .and_then(|e| e.events.clone())
-            .context("a simulated replica published no event endpoint")?;
-        let replay = s.endpoints.as_ref().and_then(|e| e.replay.clone());
-        let mut spec = ReplicaSpec::new(&url);
-        spec.events = Some(EventsSpec {
-            connect: Some(loopback(&eps)),
-            replay: replay.as_deref().map(loopback),
-            ..EventsSpec::default()
-        });
-        replicas.push(spec);
+    let fleet = Replicas::start(args, &tokenizer_dir).await?;
+    let (workload, arrivals) = workload(args)?;
+    let costs = Costs {
+        usd_per_gpu_hour: args.usd_per_gpu_hour,
+        ..Costs::default()
+    };
+    let options = live_options(args, &tokenizer, &arrivals, costs)?;
+    let mut runs: Vec<PolicyRun> = Vec::new();
+    for policy in &args.policies {
+        let mut result =
+            through_router(policy, &tokenizer_dir, &fleet, &workload, &options).await?;
+        runs.append(&mut result);
     }
+    let run = RunReport {
+        label: workload.name.clone(),
+        load: None,
+        speedup: Some(args.speedup),
+        workload: summarize(&workload, &arrivals),
+        bounds: None,
+        policies: runs,
+    };
+    print!("{}", comparison(&run, args.speedup, &costs));
+    write_report(args, &fleet, costs, run)?;
     eprintln!(
-        "demo: {} simulated replicas ({}, {} KV tokens each, {}x speed) at {}",
-        servers.len(),
-        args.profile,
-        num_blocks * BLOCK_SIZE as usize,
-        args.speedup,
-        replicas
-            .iter()
-            .map(|r| r.url.as_str())
-            .collect::<Vec<_>>()
-            .join(" ")
+        "demo: finished in {:.0} s; results.json, report.md and plots in {}",
+        started.elapsed().as_secs_f64(),
+        args.out.display()
     );
+    if args.keep_up {
+        keep_up(args, &tokenizer_dir, &fleet.specs).await?;
+    }
+    for s in fleet.servers {
+        s.shutdown();
+    }
+    Ok(())
+}
 
-    // The workload: multi-turn chats over a few shared system prompts.
+/// The simulated replicas and the router's entries for them.
+struct Replicas {
+    servers: Vec<Server>,
+    specs: Vec<ReplicaSpec>,
+    /// KV-cache blocks per replica.
+    num_blocks: usize,
+}
+
+impl Replicas {
+    /// `kinference sim` as a library, every port chosen by the OS.
+    async fn start(args: &DemoArgs, tokenizer_dir: &Path) -> anyhow::Result<Replicas> {
+        let num_blocks = (args.kv_tokens / BLOCK_SIZE as usize).max(2);
+        let flags = sim_flags(args, tokenizer_dir, num_blocks);
+        let sim = SimFlags::try_parse_from(&flags).context("simulator settings")?;
+        let servers = kinference_sim_server::cli::start(sim.args.plans()?).await?;
+        let specs = servers
+            .iter()
+            .map(replica_spec)
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        eprintln!(
+            "demo: {} simulated replicas ({}, {} KV tokens each, {}x speed) at {}",
+            servers.len(),
+            args.profile,
+            num_blocks * BLOCK_SIZE as usize,
+            args.speedup,
+            specs
+                .iter()
+                .map(|r| r.url.as_str())
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+        Ok(Replicas {
+            servers,
+            specs,
+            num_blocks,
+        })
+    }
+
+    fn urls(&self) -> Vec<String> {
+        self.specs.iter().map(|r| r.url.clone()).collect()
+    }
+}
+
+/// The command line `kinference sim` would be given for the demo's replicas.
+fn sim_flags(args: &DemoArgs, tokenizer_dir: &Path, num_blocks: usize) -> Vec<String> {
+    [
+        "sim",
+        "--tokenizer",
+        &tokenizer_dir.display().to_string(),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--replicas",
+        &args.replicas.to_string(),
+        "--served-model-name",
+        MODEL,
+        "--profile",
+        &args.profile,
+        "--block-size",
+        &BLOCK_SIZE.to_string(),
+        "--num-gpu-blocks",
+        &num_blocks.to_string(),
+        "--speedup",
+        &args.speedup.to_string(),
+        "--kv-events-config",
+        r#"{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:0","replay_endpoint":"tcp://*:0"}"#,
+    ]
+    .map(str::to_owned)
+    .into()
+}
+
+/// A router's entry for a started replica: its URL and its event streams over loopback.
+fn replica_spec(s: &Server) -> anyhow::Result<ReplicaSpec> {
+    let eps = s
+        .endpoints
+        .as_ref()
+        .and_then(|e| e.events.clone())
+        .context("a simulated replica published no event endpoint")?;
+    let replay = s.endpoints.as_ref().and_then(|e| e.replay.clone());
+    let mut spec = ReplicaSpec::new(&format!("http://{}", s.addr));
+    spec.events = Some(EventsSpec {
+        connect: Some(loopback(&eps)),
+        replay: replay.as_deref().map(loopback),
+        ..EventsSpec::default()
+    });
+    Ok(spec)
+}
+
+/// Multi-turn chats over a few shared system prompts, timed at the demo's speed-up.
+fn workload(args: &DemoArgs) -> anyhow::Result<(Workload, Arrivals)> {
     let mut workload = MultiTurn {
         conversations: args.conversations,
         turns: args.turns,
@@ -203,78 +276,81 @@ async fn demo(args: &DemoArgs, scratch: &Path) -> anyhow::Result<()> {
         speedup: args.speedup,
     };
     arrivals.apply(&mut workload)?;
-    let costs = Costs {
-        usd_per_gpu_hour: args.usd_per_gpu_hour,
-        ..Costs::default()
-    };
+    Ok((workload, arrivals))
+}
+
+fn live_options(
+    args: &DemoArgs,
+    tokenizer: &Tokenizer,
+    arrivals: &Arrivals,
+    costs: Costs,
+) -> anyhow::Result<LiveOptions> {
     let setup = SimSetup::from_profile(&args.profile, args.replicas, Some(args.kv_tokens as u64))?;
-    let mut options = LiveOptions::new(TextGen::new(Some(&tokenizer))?);
+    let mut options = LiveOptions::new(TextGen::new(Some(tokenizer))?);
     options.model = Some(MODEL.to_owned());
     options.arrivals = arrivals.clone();
     options.request_timeout = Duration::from_secs(120);
     options.costs = costs;
     options.timing = Some((setup.engine.timing.clone(), setup.gpus_per_replica));
+    Ok(options)
+}
 
-    let metrics_urls: Vec<String> = replicas
-        .iter()
-        .map(|r| format!("{}/metrics", r.url))
-        .collect();
-    let reset_urls: Vec<String> = replicas
-        .iter()
-        .map(|r| format!("{}/reset_prefix_cache", r.url))
-        .collect();
-    let mut runs: Vec<PolicyRun> = Vec::new();
-    for policy in &args.policies {
-        let proxy = start_router(policy, &tokenizer_dir, &replicas, None).await?;
-        // Events first: a router that misses the first batches would start cold.
-        for r in &replicas {
-            proxy
-                .wait_for_events(&r.url, 0, Duration::from_secs(30), |h| h.connected)
-                .await
-                .with_context(|| format!("the {policy} router's event stream from {}", r.url))?;
-        }
-        eprintln!(
-            "demo: {} requests through the {policy} router at http://{} ...",
-            workload.requests.len(),
-            proxy.data_addr()
-        );
-        let target = LiveTarget {
-            name: policy.clone(),
-            base_url: format!("http://{}", proxy.data_addr()),
-            metrics_urls: metrics_urls.clone(),
-            reset_urls: reset_urls.clone(),
-        };
-        let mut last = Instant::now();
-        let mut result = kinference_bench::live::run_targets(
-            &workload,
-            std::slice::from_ref(&target),
-            &options,
-            &mut |p| {
-                if last.elapsed() > Duration::from_secs(2) {
-                    last = Instant::now();
-                    eprintln!("demo:   {}/{} done", p.done, p.total);
-                }
-            },
-        )
-        .await?;
-        proxy.shutdown().await;
-        runs.append(&mut result);
+/// The workload through a fresh router with `policy` in front of the replicas.
+async fn through_router(
+    policy: &str,
+    tokenizer_dir: &Path,
+    fleet: &Replicas,
+    workload: &Workload,
+    options: &LiveOptions,
+) -> anyhow::Result<Vec<PolicyRun>> {
+    let proxy = start_router(policy, tokenizer_dir, &fleet.specs, None).await?;
+    // Events first: a router that misses the first batches would start cold.
+    for r in &fleet.specs {
+        proxy
+            .wait_for_events(&r.url, 0, Duration::from_secs(30), |h| h.connected)
+            .await
+            .with_context(|| format!("the {policy} router's event stream from {}", r.url))?;
     }
-    let run = RunReport {
-        label: workload.name.clone(),
-        load: None,
-        speedup: Some(args.speedup),
-        workload: summarize(&workload, &arrivals),
-        bounds: None,
-        policies: runs,
-    };
-    print_comparison(&run, args.speedup, &costs);
+    eprintln!(
+        "demo: {} requests through the {policy} router at http://{} ...",
+        workload.requests.len(),
+        proxy.data_addr()
+    );
+    let target = LiveTarget::in_front_of(
+        policy,
+        format!("http://{}", proxy.data_addr()),
+        &fleet.urls(),
+    );
+    let mut last = Instant::now();
+    let result = kinference_bench::live::run_targets(
+        workload,
+        std::slice::from_ref(&target),
+        options,
+        &mut |p| {
+            if last.elapsed() > Duration::from_secs(2) {
+                last = Instant::now();
+                eprintln!("demo:   {}/{} done", p.done, p.total);
+            }
+        },
+    )
+    .await?;
+    proxy.shutdown().await;
+    Ok(result)
+}
+
+/// results.json, report.md and the plots under `--out`.
+fn write_report(
+    args: &DemoArgs,
+    fleet: &Replicas,
+    costs: Costs,
+    run: RunReport,
+) -> anyhow::Result<()> {
     let report = Report {
         mode: "live".into(),
         fleet: serde_json::json!({
             "replicas": args.replicas,
             "profile": args.profile,
-            "kv_tokens_per_replica": num_blocks * BLOCK_SIZE as usize,
+            "kv_tokens_per_replica": fleet.num_blocks * BLOCK_SIZE as usize,
             "speedup": args.speedup,
             "latencies": "wall-clock seconds at the speed-up (multiply by it for GPU time)",
         }),
@@ -286,34 +362,32 @@ async fn demo(args: &DemoArgs, scratch: &Path) -> anyhow::Result<()> {
     report.write_json(&args.out)?;
     report.write_markdown(&args.out, "kinference demo")?;
     kinference_bench::plot::write_plots(&report, &args.out)?;
-    eprintln!(
-        "demo: finished in {:.0} s; results.json, report.md and plots in {}",
-        started.elapsed().as_secs_f64(),
-        args.out.display()
-    );
+    Ok(())
+}
 
-    if args.keep_up {
-        let proxy = start_router("precise", &tokenizer_dir, &replicas, Some(args)).await?;
-        println!(
-            "\nThe replicas and a precise router stay up (Ctrl-C stops them):\n  \
-             curl http://{}/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
-             -d '{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'\n  \
-             curl http://{}/metrics\n  \
-             curl -X POST http://{}/debug/explain -d '{{\"model\":\"{MODEL}\",\"prompt\":\"hello\"}}'\n  \
-             curl http://{}/debug/replicas",
-            proxy.data_addr(),
-            proxy.admin_addr(),
-            proxy.admin_addr(),
-            proxy.admin_addr()
-        );
-        tokio::signal::ctrl_c()
-            .await
-            .context("waiting for Ctrl-C")?;
-        proxy.shutdown().await;
-    }
-    for s in servers {
-        s.shutdown();
-    }
+/// `--keep-up`: a precise router on the fixed ports until Ctrl-C.
+async fn keep_up(
+    args: &DemoArgs,
+    tokenizer_dir: &Path,
+    replicas: &[ReplicaSpec],
+) -> anyhow::Result<()> {
+    let proxy = start_router("precise", tokenizer_dir, replicas, Some(args)).await?;
+    println!(
+        "\nThe replicas and a precise router stay up (Ctrl-C stops them):\n  \
+         curl http://{}/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
+         -d '{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'\n  \
+         curl http://{}/metrics\n  \
+         curl -X POST http://{}/debug/explain -d '{{\"model\":\"{MODEL}\",\"prompt\":\"hello\"}}'\n  \
+         curl http://{}/debug/replicas",
+        proxy.data_addr(),
+        proxy.admin_addr(),
+        proxy.admin_addr(),
+        proxy.admin_addr()
+    );
+    tokio::signal::ctrl_c()
+        .await
+        .context("waiting for Ctrl-C")?;
+    proxy.shutdown().await;
     Ok(())
 }
 
@@ -368,73 +442,4 @@ fn write_tokenizer(scratch: &Path) -> anyhow::Result<PathBuf> {
             .with_context(|| format!("writing {}", dir.join(name).display()))?;
     }
     Ok(dir)
-}
-
-fn ms(v: Option<f64>, speedup: f64) -> String {
-    v.map_or_else(
-        || "-".to_owned(),
-        |s| format!("{:.0} ms", s * speedup * 1e3),
-    )
-}
-
-/// The side-by-side table on stdout, and what the last policy saves against the first.
-fn print_comparison(run: &RunReport, speedup: f64, costs: &Costs) {
-    println!(
-        "\n{} requests, {} ({}x speed; latencies in simulated GPU time)\n",
-        run.workload.requests, run.label, speedup
-    );
-    println!(
-        "| policy | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | prefill GPU-s | kWh | $ | failed |"
-    );
-    println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
-    for p in &run.policies {
-        let r = &p.result;
-        let gpu = r.prefill_gpu_s.unwrap_or(0.0);
-        println!(
-            "| {} | {:.1} % | {} | {} | {} | {:.1} | {:.4} | {:.4} | {} |",
-            r.policy,
-            r.hit_rate * 100.0,
-            ms(r.ttft_p50_s, speedup),
-            ms(r.ttft_p90_s, speedup),
-            ms(r.ttft_p99_s, speedup),
-            gpu,
-            costs.kwh(gpu),
-            costs.usd(gpu),
-            r.failed
-        );
-    }
-    if let (Some(base), Some(last)) = (run.policies.first(), run.policies.last()) {
-        if run.policies.len() > 1 {
-            let (b, k) = (&base.result, &last.result);
-            let gpu_b = b.prefill_gpu_s.unwrap_or(0.0);
-            let gpu_k = k.prefill_gpu_s.unwrap_or(0.0);
-            let saved = gpu_b - gpu_k;
-            let pct = if gpu_b > 0.0 {
-                saved / gpu_b * 100.0
-            } else {
-                0.0
-            };
-            println!(
-                "\n{} vs {}: hit rate {:.1} % → {:.1} %, prefill GPU time −{:.1} % ({:.1} GPU-s, {:.4} kWh, ${:.4} saved on this workload)",
-                k.policy,
-                b.policy,
-                b.hit_rate * 100.0,
-                k.hit_rate * 100.0,
-                pct,
-                saved,
-                costs.kwh(saved),
-                costs.usd(saved)
-            );
-            if let (Some(p90b), Some(p90k)) = (b.ttft_p90_s, k.ttft_p90_s) {
-                if p90k > 0.0 {
-                    println!(
-                        "TTFT p90 {} → {} ({:.1}x)",
-                        ms(Some(p90b), speedup),
-                        ms(Some(p90k), speedup),
-                        p90b / p90k
-                    );
-                }
-            }
-        }
-    }
 }

@@ -20,6 +20,9 @@ pub enum BenchError {
     },
     #[error("invalid setting: {0}")]
     Config(String),
+    /// The command line's flags do not go together (the message names them).
+    #[error("{0}")]
+    Usage(String),
     #[error("the workload is empty after selection")]
     EmptyWorkload,
     #[error("simulator: {0}")]
@@ -30,6 +33,18 @@ pub enum BenchError {
     Live(String),
     #[error("report: {0}")]
     Report(String),
+    #[error("default data file {file} (pass a path)")]
+    DefaultData {
+        file: String,
+        source: Box<BenchError>,
+    },
+    #[error("loading the tokenizer in {}", dir.display())]
+    LoadTokenizer {
+        dir: PathBuf,
+        source: kinference_tokenize::TokenizeError,
+    },
+    #[error("starting the async runtime")]
+    Runtime(#[source] std::io::Error),
 }
 
 impl BenchError {
@@ -38,11 +53,15 @@ impl BenchError {
             BenchError::Io { .. } => "io",
             BenchError::Parse { .. } => "parse",
             BenchError::Config(_) => "config",
+            BenchError::Usage(_) => "usage",
             BenchError::EmptyWorkload => "empty_workload",
             BenchError::Sim(_) => "sim",
             BenchError::Tokenize(_) => "tokenize",
             BenchError::Live(_) => "live",
             BenchError::Report(_) => "report",
+            BenchError::DefaultData { .. } => "default_data",
+            BenchError::LoadTokenizer { .. } => "tokenizer",
+            BenchError::Runtime(_) => "runtime",
         }
     }
 

@@ -16,6 +16,8 @@
 //! times.
 
 pub mod bounds;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod error;
 #[cfg(feature = "live")]
 pub mod live;

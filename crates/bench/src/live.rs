@@ -16,14 +16,13 @@
 //! `usage.prompt_tokens_details.cached_tokens`. Targets are run one after another; each may
 //! reset the replicas' prefix caches first so that every policy starts cold.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use kinference_sim::TimingModel;
 use serde_json::{json, Value};
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::{JoinError, JoinSet};
 use tokio::time::Instant;
 
 use crate::error::BenchError;
@@ -44,6 +43,25 @@ pub struct LiveTarget {
     pub metrics_urls: Vec<String>,
     /// URLs to POST before this target's run (the replicas' `/reset_prefix_cache`).
     pub reset_urls: Vec<String>,
+}
+
+impl LiveTarget {
+    /// A router at `base_url` in front of replicas at `replica_urls` (`http://host:port`):
+    /// their counters are read from `/metrics` and their caches reset before the run.
+    pub fn in_front_of(name: &str, base_url: String, replica_urls: &[String]) -> LiveTarget {
+        LiveTarget {
+            name: name.to_owned(),
+            base_url,
+            metrics_urls: replica_urls
+                .iter()
+                .map(|u| format!("{u}/metrics"))
+                .collect(),
+            reset_urls: replica_urls
+                .iter()
+                .map(|u| format!("{u}/reset_prefix_cache"))
+                .collect(),
+        }
+    }
 }
 
 /// How a live run issues requests.
@@ -233,35 +251,7 @@ pub async fn send_one(
                 text.chars().take(200).collect::<String>()
             ));
         }
-        let mut resp = resp;
-        let mut buf: Vec<u8> = Vec::new();
-        let mut last: Option<Instant> = None;
-        while let Some(bytes) = resp.chunk().await.map_err(|e| e.to_string())? {
-            let now = Instant::now();
-            buf.extend_from_slice(&bytes);
-            while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
-                let line: Vec<u8> = buf.drain(..=pos).collect();
-                let line = String::from_utf8_lossy(&line);
-                let Some(data) = line.trim().strip_prefix("data:") else {
-                    continue;
-                };
-                let c = parse_sse_data(data);
-                if c.content {
-                    o.chunks += 1;
-                    match last {
-                        None => o.ttft = Some(now.duration_since(start).as_secs_f64()),
-                        Some(prev) => o.itl.push(now.duration_since(prev).as_secs_f64()),
-                    }
-                    last = Some(now);
-                }
-                if let Some((p, cpl, cached)) = c.usage {
-                    o.prompt_tokens = Some(p);
-                    o.completion_tokens = Some(cpl);
-                    o.cached_tokens = cached;
-                }
-            }
-        }
-        Ok(())
+        read_stream(resp, start, &mut o).await
     };
     match tokio::time::timeout(timeout, run).await {
         Ok(Ok(())) => o.ok = true,
@@ -270,6 +260,43 @@ pub async fn send_one(
     }
     o.e2e = start.elapsed().as_secs_f64();
     o
+}
+
+/// Reads a streamed response's SSE lines into `o`: content chunks (TTFT from `start`, ITL
+/// between them) and the final usage.
+async fn read_stream(
+    mut resp: reqwest::Response,
+    start: Instant,
+    o: &mut Outcome,
+) -> Result<(), String> {
+    let mut buf: Vec<u8> = Vec::new();
+    let mut last: Option<Instant> = None;
+    while let Some(bytes) = resp.chunk().await.map_err(|e| e.to_string())? {
+        let now = Instant::now();
+        buf.extend_from_slice(&bytes);
+        while let Some(pos) = buf.iter().position(|b| *b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=pos).collect();
+            let line = String::from_utf8_lossy(&line);
+            let Some(data) = line.trim().strip_prefix("data:") else {
+                continue;
+            };
+            let c = parse_sse_data(data);
+            if c.content {
+                o.chunks += 1;
+                match last {
+                    None => o.ttft = Some(now.duration_since(start).as_secs_f64()),
+                    Some(prev) => o.itl.push(now.duration_since(prev).as_secs_f64()),
+                }
+                last = Some(now);
+            }
+            if let Some((p, cpl, cached)) = c.usage {
+                o.prompt_tokens = Some(p);
+                o.completion_tokens = Some(cpl);
+                o.cached_tokens = cached;
+            }
+        }
+    }
+    Ok(())
 }
 
 async fn scrape(
@@ -366,89 +393,128 @@ async fn issue(
     progress: &mut (dyn FnMut(&Progress<'_>) + Send),
 ) -> Vec<(usize, Outcome)> {
     let start = Instant::now();
-    let deadline = o.max_duration.map(|d| start + d);
-    let mut set: JoinSet<(usize, Outcome)> = JoinSet::new();
-    let mut outcomes = Vec::new();
-    let total = w.len();
-    let mut next_report = 0usize;
-    let mut report = |done: usize, progress: &mut (dyn FnMut(&Progress<'_>) + Send)| {
-        if done >= next_report {
-            progress(&Progress {
-                label: &target.name,
-                done,
-                total,
-                secs: start.elapsed().as_secs_f64(),
-            });
-            next_report = done + (total / 100).max(1);
-        }
+    let mut issuer = Issuer {
+        client,
+        w,
+        target,
+        o,
+        model,
+        start,
+        deadline: o.max_duration.map(|d| start + d),
+        set: JoinSet::new(),
+        outcomes: Vec::new(),
+        next_report: 0,
     };
-    let spawn = |set: &mut JoinSet<(usize, Outcome)>, i: usize, permit| {
-        let Some(r) = w.requests.get(i) else { return };
-        let (path, b) = body(&r.prompt, r.max_tokens, model, o);
-        let url = endpoint(&target.base_url, path);
-        let client = client.clone();
-        let timeout = o.request_timeout;
-        set.spawn(async move {
+    match &o.arrivals {
+        Arrivals::Concurrency(n) => issuer.closed_loop(*n, progress).await,
+        _ => issuer.open_loop(progress).await,
+    }
+    let mut outcomes = issuer.outcomes;
+    outcomes.sort_by_key(|(i, _)| *i);
+    outcomes
+}
+
+/// One target's requests in flight and the outcomes collected so far.
+struct Issuer<'a> {
+    client: &'a reqwest::Client,
+    w: &'a Workload,
+    target: &'a LiveTarget,
+    o: &'a LiveOptions,
+    model: &'a str,
+    start: Instant,
+    /// No request is issued at or after it.
+    deadline: Option<Instant>,
+    set: JoinSet<(usize, Outcome)>,
+    outcomes: Vec<(usize, Outcome)>,
+    next_report: usize,
+}
+
+impl Issuer<'_> {
+    /// Sends request `i`; `permit`, if any, is released when it finishes.
+    fn spawn(&mut self, i: usize, permit: Option<OwnedSemaphorePermit>) {
+        let Some(r) = self.w.requests.get(i) else {
+            return;
+        };
+        let (path, b) = body(&r.prompt, r.max_tokens, self.model, self.o);
+        let url = endpoint(&self.target.base_url, path);
+        let client = self.client.clone();
+        let timeout = self.o.request_timeout;
+        self.set.spawn(async move {
             let out = send_one(&client, &url, &b, timeout).await;
             drop(permit);
             (i, out)
         });
-    };
-    match &o.arrivals {
-        Arrivals::Concurrency(n) => {
-            let n = (*n).max(1);
-            let next = AtomicUsize::new(0);
-            for _ in 0..n.min(total) {
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                spawn(&mut set, i, None::<tokio::sync::OwnedSemaphorePermit>);
-            }
-            while let Some(res) = set.join_next().await {
-                if let Ok(x) = res {
-                    outcomes.push(x);
-                }
-                report(outcomes.len(), progress);
-                let i = next.fetch_add(1, Ordering::Relaxed);
-                let in_time = deadline.is_none_or(|d| Instant::now() < d);
-                if i < total && in_time {
-                    spawn(&mut set, i, None);
-                }
-            }
+    }
+
+    /// Records a finished request; reports progress every 1 % of the workload.
+    fn finished(
+        &mut self,
+        res: Result<(usize, Outcome), JoinError>,
+        progress: &mut (dyn FnMut(&Progress<'_>) + Send),
+    ) {
+        if let Ok(x) = res {
+            self.outcomes.push(x);
         }
-        _ => {
-            let sem = Arc::new(Semaphore::new(o.max_in_flight.max(1)));
-            let t0 = w.requests.first().map_or(0.0, |r| r.at);
-            for i in 0..total {
-                let at = w.requests.get(i).map_or(0.0, |r| r.at - t0);
-                let when = start + Duration::from_secs_f64(at.max(0.0));
-                if deadline.is_some_and(|d| when >= d) {
-                    break;
-                }
-                // Collect finished requests while waiting for the next arrival.
-                loop {
-                    tokio::select! {
-                        biased;
-                        Some(res) = set.join_next(), if !set.is_empty() => {
-                            if let Ok(x) = res { outcomes.push(x); }
-                            report(outcomes.len(), progress);
-                        }
-                        _ = tokio::time::sleep_until(when) => break,
-                    }
-                }
-                let Ok(permit) = sem.clone().acquire_owned().await else {
-                    break;
-                };
-                spawn(&mut set, i, Some(permit));
-            }
-            while let Some(res) = set.join_next().await {
-                if let Ok(x) = res {
-                    outcomes.push(x);
-                }
-                report(outcomes.len(), progress);
+        let (done, total) = (self.outcomes.len(), self.w.len());
+        if done >= self.next_report {
+            progress(&Progress {
+                label: &self.target.name,
+                done,
+                total,
+                secs: self.start.elapsed().as_secs_f64(),
+            });
+            self.next_report = done + (total / 100).max(1);
+        }
+    }
+
+    /// `n` requests outstanding: each one that finishes makes room for the next.
+    async fn closed_loop(&mut self, n: usize, progress: &mut (dyn FnMut(&Progress<'_>) + Send)) {
+        let total = self.w.len();
+        let mut next = 0;
+        for _ in 0..n.max(1).min(total) {
+            self.spawn(next, None);
+            next += 1;
+        }
+        while let Some(res) = self.set.join_next().await {
+            self.finished(res, progress);
+            let i = next;
+            next += 1;
+            let in_time = self.deadline.is_none_or(|d| Instant::now() < d);
+            if i < total && in_time {
+                self.spawn(i, None);
             }
         }
     }
-    outcomes.sort_by_key(|(i, _)| *i);
-    outcomes
+
+    /// Each request at its (re-timed) arrival, at most `max_in_flight` open.
+    async fn open_loop(&mut self, progress: &mut (dyn FnMut(&Progress<'_>) + Send)) {
+        let sem = Arc::new(Semaphore::new(self.o.max_in_flight.max(1)));
+        let t0 = self.w.requests.first().map_or(0.0, |r| r.at);
+        for i in 0..self.w.len() {
+            let at = self.w.requests.get(i).map_or(0.0, |r| r.at - t0);
+            let when = self.start + Duration::from_secs_f64(at.max(0.0));
+            if self.deadline.is_some_and(|d| when >= d) {
+                break;
+            }
+            // Collect finished requests while waiting for the next arrival.
+            loop {
+                tokio::select! {
+                    biased;
+                    Some(res) = self.set.join_next(), if !self.set.is_empty() => {
+                        self.finished(res, progress);
+                    }
+                    _ = tokio::time::sleep_until(when) => break,
+                }
+            }
+            let Ok(permit) = sem.clone().acquire_owned().await else {
+                break;
+            };
+            self.spawn(i, Some(permit));
+        }
+        while let Some(res) = self.set.join_next().await {
+            self.finished(res, progress);
+        }
+    }
 }
 
 fn summarize(
@@ -477,6 +543,25 @@ fn summarize(
             .sum();
         r.output_tok_s = out as f64 / duration;
     }
+    set_hits_and_balance(&mut r, &ok, before, after);
+    if let Some((timing, gpus)) = &o.timing {
+        set_prefill(&mut r, &ok, timing, *gpus, &o.costs);
+    }
+    PolicyRun {
+        result: r,
+        ttft_samples: ttft,
+        timeline: None,
+    }
+}
+
+/// Hit rate from the replicas' counters over the run (else from usage), and the requests
+/// each replica served.
+fn set_hits_and_balance(
+    r: &mut PolicyResult,
+    ok: &[&Outcome],
+    before: &[ReplicaCounters],
+    after: &[ReplicaCounters],
+) {
     let delta: Vec<ReplicaCounters> = after
         .iter()
         .zip(before)
@@ -505,29 +590,32 @@ fn summarize(
         r.imbalance = Some(imbalance(&per));
         r.per_replica_requests = per;
     }
-    if let Some((timing, gpus)) = &o.timing {
-        // Per request: its own cached tokens when usage reports them, else the run's rate.
-        let rate = r.hit_rate;
-        let secs: f64 = ok
-            .iter()
-            .filter_map(|x| {
-                let p = x.prompt_tokens? as usize;
-                let c = x
-                    .cached_tokens
-                    .map_or((p as f64 * rate) as usize, |c| c as usize);
-                Some(prefill_secs(timing, p, c))
-            })
-            .sum::<f64>()
-            * f64::from((*gpus).max(1));
-        r.prefill_gpu_s = Some(secs);
-        r.prefill_kwh = Some(o.costs.kwh(secs));
-        r.prefill_usd = Some(o.costs.usd(secs));
-    }
-    PolicyRun {
-        result: r,
-        ttft_samples: ttft,
-        timeline: None,
-    }
+}
+
+/// Estimated prefill GPU time from the timing model, its energy and price.
+fn set_prefill(
+    r: &mut PolicyResult,
+    ok: &[&Outcome],
+    timing: &TimingModel,
+    gpus: u32,
+    costs: &Costs,
+) {
+    // Per request: its own cached tokens when usage reports them, else the run's rate.
+    let rate = r.hit_rate;
+    let secs: f64 = ok
+        .iter()
+        .filter_map(|x| {
+            let p = x.prompt_tokens? as usize;
+            let c = x
+                .cached_tokens
+                .map_or((p as f64 * rate) as usize, |c| c as usize);
+            Some(prefill_secs(timing, p, c))
+        })
+        .sum::<f64>()
+        * f64::from(gpus.max(1));
+    r.prefill_gpu_s = Some(secs);
+    r.prefill_kwh = Some(costs.kwh(secs));
+    r.prefill_usd = Some(costs.usd(secs));
 }
 
 /// Runs `w` against every target in turn (the demo's entry point) and fills in savings

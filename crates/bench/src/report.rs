@@ -179,66 +179,70 @@ fn run_markdown(s: &mut String, r: &RunReport) {
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
     );
     for p in &r.policies {
-        let x = &p.result;
-        let saved = x
-            .prefill_gpu_s_saved_vs_rr
-            .zip(x.prefill_gpu_s)
-            .map(|(d, own)| {
-                let base = own + d;
-                if base > 0.0 {
-                    format!("{d:.1} ({:.1} %)", 100.0 * d / base)
-                } else {
-                    format!("{d:.1}")
-                }
-            });
-        let _ = writeln!(
-            s,
-            "| {} | {:.1} % | {} | {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {}/{} |",
-            x.policy,
-            x.hit_rate * 100.0,
-            ms(x.ttft_p50_s),
-            ms(x.ttft_p90_s),
-            ms(x.ttft_p99_s),
-            ms(x.itl_p50_s),
-            opt(x.e2e_p50_s, 2),
-            x.throughput_rps,
-            x.output_tok_s,
-            opt(x.imbalance, 3),
-            opt(x.prefill_gpu_s, 1),
-            saved.unwrap_or_else(|| "-".into()),
-            opt(x.kwh_saved_vs_rr, 3),
-            opt(x.usd_saved_vs_rr, 2),
-            x.utilization
-                .map_or_else(|| "-".into(), |u| format!("{:.0} %", u * 100.0)),
-            x.completed,
-            x.requests,
-        );
+        policy_row(s, &p.result);
     }
     let _ = writeln!(s);
     if let Some(b) = &r.bounds {
-        let _ = writeln!(
-            s,
-            "Hit-rate references without timing ({} replicas × {} blocks of {} tokens, LRU): \
-             infinite cache {:.1} %, one pooled cache of the fleet's size {:.1} %, \
-             capped greedy (1.1 × fair share) {:.1} % (imbalance {:.2}), round-robin {:.1} %.\n",
-            b.replicas,
-            b.blocks_per_replica,
-            b.block_size,
-            b.infinite_hit_rate * 100.0,
-            b.pooled_hit_rate * 100.0,
-            b.capped_greedy_hit_rate * 100.0,
-            b.capped_greedy_imbalance,
-            b.round_robin_hit_rate * 100.0
-        );
+        bounds_line(s, b);
     }
-    let hs: Vec<&str> = r
-        .policies
-        .iter()
-        .map(|p| p.result.hit_source.as_str())
-        .collect();
-    if let Some(h) = hs.first() {
-        let _ = writeln!(s, "Hit rates from: {h}.\n");
+    if let Some(p) = r.policies.first() {
+        let _ = writeln!(s, "Hit rates from: {}.\n", p.result.hit_source);
     }
+}
+
+/// One policy's row of a run's table.
+fn policy_row(s: &mut String, x: &PolicyResult) {
+    let saved = x
+        .prefill_gpu_s_saved_vs_rr
+        .zip(x.prefill_gpu_s)
+        .map(|(d, own)| {
+            let base = own + d;
+            if base > 0.0 {
+                format!("{d:.1} ({:.1} %)", 100.0 * d / base)
+            } else {
+                format!("{d:.1}")
+            }
+        });
+    let _ = writeln!(
+        s,
+        "| {} | {:.1} % | {} | {} | {} | {} | {} | {:.2} | {:.0} | {} | {} | {} | {} | {} | {} | {}/{} |",
+        x.policy,
+        x.hit_rate * 100.0,
+        ms(x.ttft_p50_s),
+        ms(x.ttft_p90_s),
+        ms(x.ttft_p99_s),
+        ms(x.itl_p50_s),
+        opt(x.e2e_p50_s, 2),
+        x.throughput_rps,
+        x.output_tok_s,
+        opt(x.imbalance, 3),
+        opt(x.prefill_gpu_s, 1),
+        saved.unwrap_or_else(|| "-".into()),
+        opt(x.kwh_saved_vs_rr, 3),
+        opt(x.usd_saved_vs_rr, 2),
+        x.utilization
+            .map_or_else(|| "-".into(), |u| format!("{:.0} %", u * 100.0)),
+        x.completed,
+        x.requests,
+    );
+}
+
+/// The hit-rate references without timing, as one sentence.
+fn bounds_line(s: &mut String, b: &Bounds) {
+    let _ = writeln!(
+        s,
+        "Hit-rate references without timing ({} replicas × {} blocks of {} tokens, LRU): \
+         infinite cache {:.1} %, one pooled cache of the fleet's size {:.1} %, \
+         capped greedy (1.1 × fair share) {:.1} % (imbalance {:.2}), round-robin {:.1} %.\n",
+        b.replicas,
+        b.blocks_per_replica,
+        b.block_size,
+        b.infinite_hit_rate * 100.0,
+        b.pooled_hit_rate * 100.0,
+        b.capped_greedy_hit_rate * 100.0,
+        b.capped_greedy_imbalance,
+        b.round_robin_hit_rate * 100.0
+    );
 }
 
 /// Serialisation through `serde_json::to_value` with the error mapped, usable on `dyn`.
@@ -253,6 +257,85 @@ mod erased {
     impl<T: serde::Serialize> Ser for T {
         fn to_value(&self) -> Result<Value, BenchError> {
             serde_json::to_value(self).map_err(|e| BenchError::Report(e.to_string()))
+        }
+    }
+}
+
+fn gpu_ms(v: Option<f64>, speedup: f64) -> String {
+    v.map_or_else(
+        || "-".to_owned(),
+        |s| format!("{:.0} ms", s * speedup * 1e3),
+    )
+}
+
+/// The demo's side-by-side table of a live run whose latencies were measured at `speedup`
+/// (shown in simulated GPU time), and what the last policy saves against the first.
+pub fn comparison(run: &RunReport, speedup: f64, costs: &Costs) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\n{} requests, {} ({}x speed; latencies in simulated GPU time)\n",
+        run.workload.requests, run.label, speedup
+    );
+    let _ = writeln!(
+        s,
+        "| policy | hit rate | TTFT p50 | TTFT p90 | TTFT p99 | prefill GPU-s | kWh | $ | failed |"
+    );
+    let _ = writeln!(s, "|---|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for p in &run.policies {
+        let r = &p.result;
+        let gpu = r.prefill_gpu_s.unwrap_or(0.0);
+        let _ = writeln!(
+            s,
+            "| {} | {:.1} % | {} | {} | {} | {:.1} | {:.4} | {:.4} | {} |",
+            r.policy,
+            r.hit_rate * 100.0,
+            gpu_ms(r.ttft_p50_s, speedup),
+            gpu_ms(r.ttft_p90_s, speedup),
+            gpu_ms(r.ttft_p99_s, speedup),
+            gpu,
+            costs.kwh(gpu),
+            costs.usd(gpu),
+            r.failed
+        );
+    }
+    if let [base, .., last] = run.policies.as_slice() {
+        savings(&mut s, &base.result, &last.result, speedup, costs);
+    }
+    s
+}
+
+/// `k`'s savings against the baseline `b`, in prefill GPU time and TTFT p90.
+fn savings(s: &mut String, b: &PolicyResult, k: &PolicyResult, speedup: f64, costs: &Costs) {
+    let gpu_b = b.prefill_gpu_s.unwrap_or(0.0);
+    let gpu_k = k.prefill_gpu_s.unwrap_or(0.0);
+    let saved = gpu_b - gpu_k;
+    let pct = if gpu_b > 0.0 {
+        saved / gpu_b * 100.0
+    } else {
+        0.0
+    };
+    let _ = writeln!(
+        s,
+        "\n{} vs {}: hit rate {:.1} % → {:.1} %, prefill GPU time −{:.1} % ({:.1} GPU-s, {:.4} kWh, ${:.4} saved on this workload)",
+        k.policy,
+        b.policy,
+        b.hit_rate * 100.0,
+        k.hit_rate * 100.0,
+        pct,
+        saved,
+        costs.kwh(saved),
+        costs.usd(saved)
+    );
+    if let (Some(p90b), Some(p90k)) = (b.ttft_p90_s, k.ttft_p90_s) {
+        if p90k > 0.0 {
+            let _ = writeln!(
+                s,
+                "TTFT p90 {} → {} ({:.1}x)",
+                gpu_ms(Some(p90b), speedup),
+                gpu_ms(Some(p90k), speedup),
+                p90b / p90k
+            );
         }
     }
 }
