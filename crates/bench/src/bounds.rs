@@ -115,9 +115,8 @@ pub fn compute(
     let mut infinite: HashSet<u64> = HashSet::new();
     let mut pooled = Lru::new(blocks_per_replica.saturating_mul(n));
     let mut rr: Vec<Lru> = (0..n).map(|_| Lru::new(blocks_per_replica)).collect();
-    let mut greedy: Vec<Lru> = (0..n).map(|_| Lru::new(blocks_per_replica)).collect();
-    let mut greedy_load = vec![0u64; n];
-    let (mut total, mut h_inf, mut h_pool, mut h_rr, mut h_greedy) = (0u64, 0, 0, 0, 0);
+    let mut greedy = CappedGreedy::new(n, blocks_per_replica);
+    let (mut total, mut h_inf, mut h_pool, mut h_rr) = (0u64, 0, 0, 0);
     let mut i = 0usize;
     for r in &w.requests {
         let tokens = sim_tokens(&r.prompt, vocab);
@@ -136,33 +135,7 @@ pub fn compute(
             h_rr += c.matched(lookup);
             c.insert(&keys);
         }
-        let cap = 1.1 * (i + 1) as f64 / n as f64;
-        let eligible: Vec<usize> = (0..n)
-            .filter(|&j| (greedy_load[j] + 1) as f64 <= cap)
-            .collect();
-        let cands: Vec<usize> = if eligible.is_empty() {
-            (0..n).collect()
-        } else {
-            eligible
-        };
-        let mut best: Option<(usize, u64, usize)> = None;
-        for j in cands {
-            let m = greedy.get(j).map_or(0, |c| c.matched(lookup));
-            let better = match best {
-                None => true,
-                Some((bm, bl, _)) => m > bm || (m == bm && greedy_load[j] < bl),
-            };
-            if better {
-                best = Some((m, greedy_load[j], j));
-            }
-        }
-        if let Some((m, _, j)) = best {
-            h_greedy += m;
-            greedy_load[j] += 1;
-            if let Some(c) = greedy.get_mut(j) {
-                c.insert(&keys);
-            }
-        }
+        greedy.place(i, lookup, &keys);
         i += 1;
     }
     let frac = |blocks: usize| {
@@ -180,8 +153,59 @@ pub fn compute(
         infinite_hit_rate: frac(h_inf),
         pooled_hit_rate: frac(h_pool),
         round_robin_hit_rate: frac(h_rr),
-        capped_greedy_hit_rate: frac(h_greedy),
-        capped_greedy_imbalance: crate::stats::imbalance(&greedy_load),
+        capped_greedy_hit_rate: frac(greedy.hits),
+        capped_greedy_imbalance: crate::stats::imbalance(&greedy.load),
+    }
+}
+
+/// Greedy placement on the longest cached prefix, capped at 1.1 × the fair share of the
+/// requests placed so far (ties to the least loaded).
+struct CappedGreedy {
+    caches: Vec<Lru>,
+    load: Vec<u64>,
+    /// Blocks found cached, summed over every placement.
+    hits: usize,
+}
+
+impl CappedGreedy {
+    fn new(n: usize, blocks_per_replica: usize) -> Self {
+        CappedGreedy {
+            caches: (0..n).map(|_| Lru::new(blocks_per_replica)).collect(),
+            load: vec![0u64; n],
+            hits: 0,
+        }
+    }
+
+    /// Places request `i` (0-based) with `lookup` blocks to match and `keys` to cache.
+    fn place(&mut self, i: usize, lookup: &[u64], keys: &[u64]) {
+        let n = self.load.len();
+        let cap = 1.1 * (i + 1) as f64 / n as f64;
+        let eligible: Vec<usize> = (0..n)
+            .filter(|&j| (self.load[j] + 1) as f64 <= cap)
+            .collect();
+        let cands: Vec<usize> = if eligible.is_empty() {
+            (0..n).collect()
+        } else {
+            eligible
+        };
+        let mut best: Option<(usize, u64, usize)> = None;
+        for j in cands {
+            let m = self.caches.get(j).map_or(0, |c| c.matched(lookup));
+            let better = match best {
+                None => true,
+                Some((bm, bl, _)) => m > bm || (m == bm && self.load[j] < bl),
+            };
+            if better {
+                best = Some((m, self.load[j], j));
+            }
+        }
+        if let Some((m, _, j)) = best {
+            self.hits += m;
+            self.load[j] += 1;
+            if let Some(c) = self.caches.get_mut(j) {
+                c.insert(keys);
+            }
+        }
     }
 }
 

@@ -12,6 +12,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::{register_font, FontStyle};
 
@@ -103,22 +104,46 @@ fn slug(s: &str) -> String {
         .collect()
 }
 
-fn ttft_cdf(run: &RunReport, path: &Path, text: bool) -> Result<(), BenchError> {
-    let root = BitMapBackend::new(path, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(perr)?;
-    let all: Vec<f64> = run
-        .policies
-        .iter()
-        .flat_map(|p| p.ttft_samples.iter().copied())
+/// The range of the positive, finite samples, padded by 10 %; 1 ms to 1 s when there are none.
+fn log_range(samples: impl Iterator<Item = f64>) -> (f64, f64) {
+    let (lo, hi) = samples
         .filter(|x| x.is_finite() && *x > 0.0)
-        .collect();
-    let lo = all.iter().copied().fold(f64::INFINITY, f64::min);
-    let hi = all.iter().copied().fold(0.0f64, f64::max);
-    let (lo, hi) = if lo.is_finite() && hi > lo {
+        .fold((f64::INFINITY, 0.0f64), |(lo, hi), x| {
+            (lo.min(x), hi.max(x))
+        });
+    if lo.is_finite() && hi > lo {
         (lo * 0.9, hi * 1.1)
     } else {
         (1e-3, 1.0)
-    };
+    }
+}
+
+/// The empirical CDF of the positive, finite samples, at most ~2,000 points (enough for a
+/// smooth curve).
+fn cdf_points(samples: &[f64]) -> Vec<(f64, f64)> {
+    let mut v: Vec<f64> = samples
+        .iter()
+        .copied()
+        .filter(|x| x.is_finite() && *x > 0.0)
+        .collect();
+    v.sort_by(f64::total_cmp);
+    let n = v.len().max(1) as f64;
+    let step = (v.len() / 2000).max(1);
+    v.iter()
+        .enumerate()
+        .filter(|(k, _)| k % step == 0 || *k + 1 == v.len())
+        .map(|(k, x)| (*x, (k + 1) as f64 / n))
+        .collect()
+}
+
+fn ttft_cdf(run: &RunReport, path: &Path, text: bool) -> Result<(), BenchError> {
+    let root = BitMapBackend::new(path, (W, H)).into_drawing_area();
+    root.fill(&WHITE).map_err(perr)?;
+    let (lo, hi) = log_range(
+        run.policies
+            .iter()
+            .flat_map(|p| p.ttft_samples.iter().copied()),
+    );
     let mut b = ChartBuilder::on(&root);
     b.margin(20);
     if text {
@@ -138,25 +163,12 @@ fn ttft_cdf(run: &RunReport, path: &Path, text: bool) -> Result<(), BenchError> 
     }
     mesh.draw().map_err(perr)?;
     for (i, p) in run.policies.iter().enumerate() {
-        let mut v: Vec<f64> = p
-            .ttft_samples
-            .iter()
-            .copied()
-            .filter(|x| x.is_finite() && *x > 0.0)
-            .collect();
-        v.sort_by(f64::total_cmp);
-        let n = v.len().max(1) as f64;
-        // At most ~2,000 points per line: enough for a smooth curve.
-        let step = (v.len() / 2000).max(1);
-        let pts: Vec<(f64, f64)> = v
-            .iter()
-            .enumerate()
-            .filter(|(k, _)| k % step == 0 || *k + 1 == v.len())
-            .map(|(k, x)| (*x, (k + 1) as f64 / n))
-            .collect();
         let c = colour(i);
         let series = chart
-            .draw_series(LineSeries::new(pts, c.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                cdf_points(&p.ttft_samples),
+                c.stroke_width(2),
+            ))
             .map_err(perr)?;
         if text {
             series
@@ -224,27 +236,25 @@ fn replica_load(run: &RunReport, path: &Path, text: bool) -> Result<(), BenchErr
     root.present().map_err(perr)
 }
 
-fn load_sweep(runs: &[RunReport], path: &Path, text: bool) -> Result<(), BenchError> {
-    let root = BitMapBackend::new(path, (W, H)).into_drawing_area();
-    root.fill(&WHITE).map_err(perr)?;
-    let (left, right) = root.split_horizontally(W / 2);
-    // The x axis: the target load where set, else the run's position.
-    let xs: Vec<f64> = runs
-        .iter()
-        .enumerate()
-        .map(|(i, r)| r.load.unwrap_or(i as f64))
-        .collect();
-    let (x0, x1) = xs
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
-            (a.min(*x), b.max(*x))
-        });
-    let pad = ((x1 - x0) * 0.05).max(0.01);
-    let names: Vec<String> = runs
-        .first()
-        .map(|r| r.policies.iter().map(|p| p.result.policy.clone()).collect())
-        .unwrap_or_default();
-    let metric = |r: &RunReport, name: &str, hit: bool| {
+type SweepChart<'b, 'c> = ChartContext<
+    'b,
+    BitMapBackend<'c>,
+    Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+>;
+
+/// The sweep's shared x axis and series: one point per run, one line per policy of the first.
+struct Sweep<'a> {
+    runs: &'a [RunReport],
+    /// The target load where set, else the run's position.
+    xs: Vec<f64>,
+    x_range: std::ops::Range<f64>,
+    names: Vec<String>,
+    text: bool,
+}
+
+impl Sweep<'_> {
+    /// The hit rate (%) or the TTFT p50 (s) of policy `name` in run `r`.
+    fn metric(r: &RunReport, name: &str, hit: bool) -> Option<f64> {
         r.policies
             .iter()
             .find(|p| p.result.policy == name)
@@ -255,33 +265,43 @@ fn load_sweep(runs: &[RunReport], path: &Path, text: bool) -> Result<(), BenchEr
                     p.result.ttft_p50_s
                 }
             })
-    };
-    for (area, hit) in [(&left, true), (&right, false)] {
-        let ys: Vec<f64> = runs
+    }
+
+    /// A panel's chart with its mesh drawn, the y axis up to the highest value plus 10 %.
+    fn axes<'b, 'c>(
+        &self,
+        area: &'b DrawingArea<BitMapBackend<'c>, Shift>,
+        hit: bool,
+    ) -> Result<SweepChart<'b, 'c>, BenchError> {
+        let y1 = self
+            .runs
             .iter()
-            .flat_map(|r| names.iter().filter_map(move |n| metric(r, n, hit)))
-            .collect();
-        let y1 = ys.iter().copied().fold(0.0f64, f64::max) * 1.1 + 1e-3;
+            .flat_map(|r| {
+                self.names
+                    .iter()
+                    .filter_map(move |n| Self::metric(r, n, hit))
+            })
+            .fold(0.0f64, f64::max)
+            * 1.1
+            + 1e-3;
         let mut b = ChartBuilder::on(area);
         b.margin(15);
-        if text {
-            b.caption(
-                if hit {
-                    "prefix-cache hit rate (%)"
-                } else {
-                    "TTFT p50 (s)"
-                },
-                ("sans-serif", 20),
-            )
-            .x_label_area_size(40)
-            .y_label_area_size(50);
+        if self.text {
+            let caption = if hit {
+                "prefix-cache hit rate (%)"
+            } else {
+                "TTFT p50 (s)"
+            };
+            b.caption(caption, ("sans-serif", 20))
+                .x_label_area_size(40)
+                .y_label_area_size(50);
         }
         let mut chart = b
-            .build_cartesian_2d((x0 - pad)..(x1 + pad), 0.0..y1)
+            .build_cartesian_2d(self.x_range.clone(), 0.0..y1)
             .map_err(perr)?;
         let mut mesh = chart.configure_mesh();
-        if text {
-            mesh.x_desc(if runs.iter().all(|r| r.load.is_some()) {
+        if self.text {
+            mesh.x_desc(if self.runs.iter().all(|r| r.load.is_some()) {
                 "offered load (fraction of fleet capacity)"
             } else {
                 "run"
@@ -290,11 +310,22 @@ fn load_sweep(runs: &[RunReport], path: &Path, text: bool) -> Result<(), BenchEr
             mesh.disable_x_axis().disable_y_axis();
         }
         mesh.draw().map_err(perr)?;
-        for (i, name) in names.iter().enumerate() {
+        Ok(chart)
+    }
+
+    /// One panel: hit rate (`hit`) or TTFT p50 against the x axis, a line per policy.
+    fn panel(
+        &self,
+        area: &DrawingArea<BitMapBackend<'_>, Shift>,
+        hit: bool,
+    ) -> Result<(), BenchError> {
+        let (runs, text) = (self.runs, self.text);
+        let mut chart = self.axes(area, hit)?;
+        for (i, name) in self.names.iter().enumerate() {
             let pts: Vec<(f64, f64)> = runs
                 .iter()
-                .zip(&xs)
-                .filter_map(|(r, x)| metric(r, name, hit).map(|y| (*x, y)))
+                .zip(&self.xs)
+                .filter_map(|(r, x)| Self::metric(r, name, hit).map(|y| (*x, y)))
                 .collect();
             let c = colour(i);
             let s = chart
@@ -316,6 +347,36 @@ fn load_sweep(runs: &[RunReport], path: &Path, text: bool) -> Result<(), BenchEr
                 .draw()
                 .map_err(perr)?;
         }
+        Ok(())
     }
+}
+
+fn load_sweep(runs: &[RunReport], path: &Path, text: bool) -> Result<(), BenchError> {
+    let root = BitMapBackend::new(path, (W, H)).into_drawing_area();
+    root.fill(&WHITE).map_err(perr)?;
+    let (left, right) = root.split_horizontally(W / 2);
+    let xs: Vec<f64> = runs
+        .iter()
+        .enumerate()
+        .map(|(i, r)| r.load.unwrap_or(i as f64))
+        .collect();
+    let (x0, x1) = xs
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), x| {
+            (a.min(*x), b.max(*x))
+        });
+    let pad = ((x1 - x0) * 0.05).max(0.01);
+    let sweep = Sweep {
+        runs,
+        xs,
+        x_range: (x0 - pad)..(x1 + pad),
+        names: runs
+            .first()
+            .map(|r| r.policies.iter().map(|p| p.result.policy.clone()).collect())
+            .unwrap_or_default(),
+        text,
+    };
+    sweep.panel(&left, true)?;
+    sweep.panel(&right, false)?;
     root.present().map_err(perr)
 }

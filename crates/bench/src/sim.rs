@@ -17,8 +17,8 @@ use std::cell::RefCell;
 
 use kinference_sim::timing::BatchItem;
 use kinference_sim::{
-    Arrival, Engine, EngineConfig, Fleet, FleetView, Profile, Request, SimTime, StepOutput,
-    TimingModel,
+    Arrival, Engine, EngineConfig, Fleet, FleetReport, FleetView, Profile, Request, SimTime,
+    StepOutput, TimingModel,
 };
 use kinference_vllm::{BlockDigest, BlockHash, BlockHasher, RequestExtras};
 
@@ -298,45 +298,7 @@ pub fn run_with_router(
         .map(|_| Engine::new(cfg.clone()))
         .collect::<Result<_, _>>()?;
     let mut fleet = Fleet::new(engines)?;
-    let n = w.len();
-    let label = router.name().to_string();
-    let hasher = if cfg.enable_prefix_caching {
-        Some(
-            BlockHasher::new(
-                cfg.hash_algo,
-                cfg.block_size,
-                cfg.hash_seed.as_deref(),
-                cfg.extra_keys_format,
-            )
-            .map_err(|e| BenchError::Sim(e.to_string()))?,
-        )
-    } else {
-        None
-    };
-    let span = w.span_secs();
-    let state = RefCell::new(RunState {
-        router,
-        hasher,
-        block_size: cfg.block_size.max(1),
-        loads: vec![RouterLoad::default(); setup.replicas],
-        engine_of: vec![0; n],
-        pending_prefill: vec![0; n],
-        last_token: vec![None; n],
-        sessions: w.requests.iter().map(|r| r.session).collect(),
-        itl: Vec::new(),
-        busy_secs: 0.0,
-        done: 0,
-        total: n,
-        next_report: 0,
-        timeline: LoadTimeline::new(setup.replicas),
-        sample_every: (span / 300.0).max(0.05),
-        next_sample: 0.0,
-        label,
-        progress,
-        digests: Vec::new(),
-        hashes: Vec::new(),
-        extras: RequestExtras::default(),
-    });
+    let state = RefCell::new(RunState::new(setup, w, router, progress)?);
     let skipped = std::cell::Cell::new(0usize);
     let vocab = cfg.vocab_size;
     let max_len = cfg.max_model_len;
@@ -357,10 +319,78 @@ pub fn run_with_router(
     let mut sink = |e: usize, out: &StepOutput| state.borrow_mut().sink(e, out);
     let report = fleet.run_with(arrivals, &mut route, &mut sink)?;
     let st = state.into_inner();
-
-    let mut res = PolicyResult::empty(st.router.name());
     let skipped = skipped.get();
-    res.requests = n - skipped;
+    let (res, ttft) = result_of(setup, costs, &report, &st, w.len() - skipped);
+    let mut timeline = st.timeline;
+    let outstanding: Vec<u32> = st.loads.iter().map(|l| l.in_flight).collect();
+    timeline.push(report.ended_at.as_secs_f64(), &outstanding);
+    Ok(SimRun {
+        result: res,
+        ttft_samples: ttft,
+        timeline,
+        skipped,
+    })
+}
+
+impl<'r, 'p> RunState<'r, 'p> {
+    /// Fresh state for `w` on `setup`'s fleet: nothing routed, nothing in flight.
+    fn new(
+        setup: &SimSetup,
+        w: &Workload,
+        router: &'r mut dyn SimRouter,
+        progress: &'p mut dyn FnMut(&Progress<'_>),
+    ) -> Result<Self, BenchError> {
+        let cfg = &setup.engine;
+        let n = w.len();
+        let hasher = if cfg.enable_prefix_caching {
+            Some(
+                BlockHasher::new(
+                    cfg.hash_algo,
+                    cfg.block_size,
+                    cfg.hash_seed.as_deref(),
+                    cfg.extra_keys_format,
+                )
+                .map_err(|e| BenchError::Sim(e.to_string()))?,
+            )
+        } else {
+            None
+        };
+        Ok(RunState {
+            label: router.name().to_string(),
+            router,
+            hasher,
+            block_size: cfg.block_size.max(1),
+            loads: vec![RouterLoad::default(); setup.replicas],
+            engine_of: vec![0; n],
+            pending_prefill: vec![0; n],
+            last_token: vec![None; n],
+            sessions: w.requests.iter().map(|r| r.session).collect(),
+            itl: Vec::new(),
+            busy_secs: 0.0,
+            done: 0,
+            total: n,
+            next_report: 0,
+            timeline: LoadTimeline::new(setup.replicas),
+            sample_every: (w.span_secs() / 300.0).max(0.05),
+            next_sample: 0.0,
+            progress,
+            digests: Vec::new(),
+            hashes: Vec::new(),
+            extras: RequestExtras::default(),
+        })
+    }
+}
+
+/// The run's figures from the engines' records and counters; also the TTFT samples.
+fn result_of(
+    setup: &SimSetup,
+    costs: &Costs,
+    report: &FleetReport,
+    st: &RunState<'_, '_>,
+    requests: usize,
+) -> (PolicyResult, Vec<f64>) {
+    let mut res = PolicyResult::empty(st.router.name());
+    res.requests = requests;
     res.completed = report.records.len();
     res.failed = res.requests.saturating_sub(res.completed);
     let m = &report.engine_metrics;
@@ -390,25 +420,34 @@ pub fn run_with_router(
     }
     res.imbalance = Some(imbalance(&report.routed));
     res.per_replica_requests = report.routed.clone();
+    set_costs(&mut res, setup, costs, report, st.busy_secs);
+    (res, ttft)
+}
+
+/// Prefill GPU time (from the timing model), its energy and price, busy GPU time, preemptions.
+fn set_costs(
+    res: &mut PolicyResult,
+    setup: &SimSetup,
+    costs: &Costs,
+    report: &FleetReport,
+    busy_secs: f64,
+) {
     let gpus = f64::from(setup.gpus_per_replica.max(1));
     let prefill: f64 = report
         .records
         .iter()
-        .map(|r| prefill_secs(&cfg.timing, r.prompt_tokens, r.cached_tokens))
+        .map(|r| prefill_secs(&setup.engine.timing, r.prompt_tokens, r.cached_tokens))
         .sum::<f64>()
         * gpus;
     res.prefill_gpu_s = Some(prefill);
     res.prefill_kwh = Some(costs.kwh(prefill));
     res.prefill_usd = Some(costs.usd(prefill));
-    res.busy_gpu_s = Some(st.busy_secs * gpus);
-    res.preemptions = Some(m.iter().map(|x| x.num_preemptions).sum());
-    let mut timeline = st.timeline;
-    let outstanding: Vec<u32> = st.loads.iter().map(|l| l.in_flight).collect();
-    timeline.push(report.ended_at.as_secs_f64(), &outstanding);
-    Ok(SimRun {
-        result: res,
-        ttft_samples: ttft,
-        timeline,
-        skipped,
-    })
+    res.busy_gpu_s = Some(busy_secs * gpus);
+    res.preemptions = Some(
+        report
+            .engine_metrics
+            .iter()
+            .map(|x| x.num_preemptions)
+            .sum(),
+    );
 }
