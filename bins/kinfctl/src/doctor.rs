@@ -246,42 +246,12 @@ async fn check_config(
     let cache = ReplicaMetrics::from_exposition(&metrics_text)
         .cache_config
         .unwrap_or_default();
+    let block_size = agree_block_size(report, args.block_size, cache.block_size)?;
     let replica_algo = cache
         .prefix_caching_hash_algo
         .as_deref()
         .and_then(|a| a.parse::<HashAlgo>().ok());
-    let block_size = match (args.block_size, cache.block_size) {
-        (Some(ours), Some(theirs)) if ours != theirs => {
-            report.push(
-                "config",
-                Status::Fail,
-                format!("block size: router {ours}, replica {theirs} (vllm:cache_config_info)"),
-            );
-            ours
-        }
-        (Some(ours), _) => ours,
-        (None, Some(theirs)) => theirs,
-        (None, None) => bail!(
-            "the replica publishes no block_size in vllm:cache_config_info; pass --block-size"
-        ),
-    };
-    let algo = match (args.algo, replica_algo) {
-        (Some(ours), Some(theirs)) if ours != theirs => {
-            report.push(
-                "config",
-                Status::Fail,
-                format!(
-                    "hash algorithm: router {}, replica {}",
-                    ours.as_str(),
-                    theirs.as_str()
-                ),
-            );
-            ours
-        }
-        (Some(ours), _) => ours,
-        (None, Some(theirs)) => theirs,
-        (None, None) => HashAlgo::Sha256,
-    };
+    let algo = agree_algo(report, args.algo, replica_algo);
     if cache.enable_prefix_caching == Some(false) {
         report.push(
             "config",
@@ -303,6 +273,51 @@ async fn check_config(
         );
     }
     Ok((block_size, algo))
+}
+
+/// The router's block size (`ours`, else the replica's); a disagreement is a failed check.
+fn agree_block_size(
+    report: &mut Report,
+    ours: Option<usize>,
+    theirs: Option<usize>,
+) -> Result<usize> {
+    Ok(match (ours, theirs) {
+        (Some(ours), Some(theirs)) if ours != theirs => {
+            report.push(
+                "config",
+                Status::Fail,
+                format!("block size: router {ours}, replica {theirs} (vllm:cache_config_info)"),
+            );
+            ours
+        }
+        (Some(ours), _) => ours,
+        (None, Some(theirs)) => theirs,
+        (None, None) => bail!(
+            "the replica publishes no block_size in vllm:cache_config_info; pass --block-size"
+        ),
+    })
+}
+
+/// The router's hash algorithm (`ours`, else the replica's, else vLLM's default sha256); a
+/// disagreement is a failed check.
+fn agree_algo(report: &mut Report, ours: Option<HashAlgo>, theirs: Option<HashAlgo>) -> HashAlgo {
+    match (ours, theirs) {
+        (Some(ours), Some(theirs)) if ours != theirs => {
+            report.push(
+                "config",
+                Status::Fail,
+                format!(
+                    "hash algorithm: router {}, replica {}",
+                    ours.as_str(),
+                    theirs.as_str()
+                ),
+            );
+            ours
+        }
+        (Some(ours), _) => ours,
+        (None, Some(theirs)) => theirs,
+        (None, None) => HashAlgo::Sha256,
+    }
 }
 
 /// A prompt no cache holds yet, long enough for several blocks, as the replica tokenizes it.

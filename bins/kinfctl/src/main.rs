@@ -12,6 +12,7 @@ mod explain;
 mod status;
 
 use std::io::{self, BufWriter, Write};
+use std::num::ParseIntError;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
@@ -111,40 +112,64 @@ struct DecodeArgs {
 #[derive(Clone, Debug)]
 struct Tokens(Vec<u32>);
 
-fn parse_tokens(s: &str) -> Result<Tokens, String> {
+/// Why a flag's value does not parse (clap prints it after the flag's name).
+#[derive(Debug, thiserror::Error)]
+enum FlagError {
+    #[error("token id {token:?}: {error} (expected 0..=4294967295)")]
+    TokenId { token: String, error: ParseIntError },
+    #[error("expected NAME:PATH, got {0:?}")]
+    Lora(String),
+    #[error("expected IDENTIFIER:OFFSET:LENGTH, got {0:?}")]
+    MmShape(String),
+    #[error("{what} {value:?} in {item:?}: {error}")]
+    MmNumber {
+        what: &'static str,
+        value: String,
+        item: String,
+        error: ParseIntError,
+    },
+}
+
+fn parse_tokens(s: &str) -> Result<Tokens, FlagError> {
     let inner = s.trim().trim_start_matches('[').trim_end_matches(']');
     inner
         .split(',')
         .map(str::trim)
         .filter(|t| !t.is_empty())
         .map(|t| {
-            t.parse::<u32>()
-                .map_err(|e| format!("token id {t:?}: {e} (expected 0..=4294967295)"))
+            t.parse::<u32>().map_err(|error| FlagError::TokenId {
+                token: t.to_owned(),
+                error,
+            })
         })
         .collect::<Result<Vec<_>, _>>()
         .map(Tokens)
 }
 
-fn parse_lora(s: &str) -> Result<Lora, String> {
+fn parse_lora(s: &str) -> Result<Lora, FlagError> {
     match s.split_once(':') {
         Some((name, path)) if !name.is_empty() => Ok(Lora {
             name: name.to_string(),
             path: path.to_string(),
         }),
-        _ => Err(format!("expected NAME:PATH, got {s:?}")),
+        _ => Err(FlagError::Lora(s.to_owned())),
     }
 }
 
 /// Splits from the right so identifiers may contain ':'.
-fn parse_mm(s: &str) -> Result<MmItem, String> {
+fn parse_mm(s: &str) -> Result<MmItem, FlagError> {
     let mut parts = s.rsplitn(3, ':');
     let (Some(length), Some(offset), Some(identifier)) = (parts.next(), parts.next(), parts.next())
     else {
-        return Err(format!("expected IDENTIFIER:OFFSET:LENGTH, got {s:?}"));
+        return Err(FlagError::MmShape(s.to_owned()));
     };
-    let num = |v: &str, what: &str| {
-        v.parse::<usize>()
-            .map_err(|e| format!("{what} {v:?} in {s:?}: {e}"))
+    let num = |value: &str, what: &'static str| {
+        value.parse::<usize>().map_err(|error| FlagError::MmNumber {
+            what,
+            value: value.to_owned(),
+            item: s.to_owned(),
+            error,
+        })
     };
     Ok(MmItem {
         identifier: identifier.to_string(),
