@@ -58,59 +58,56 @@ impl Policy {
         }
         match &self.config {
             PolicyConfig::Precise(cfg) => {
-                let credits: Vec<Credit> = candidates
-                    .iter()
-                    .map(|c| {
-                        let spec = self
-                            .tracker
-                            .as_ref()
-                            .map_or(0, |t| t.prefix_len(c.worker, req.hashes, now));
-                        let gpu = c.cache.gpu.max(spec);
-                        Credit {
-                            gpu,
-                            offloaded: c.cache.any.max(gpu) - gpu,
-                            speculative: spec.saturating_sub(c.cache.gpu),
-                        }
-                    })
-                    .collect();
+                let credits = self.precise_credits(req, candidates, now);
                 self.rank(cfg, candidates, &credits, req)
             }
             PolicyConfig::Approximate(a) => {
                 let credits: Vec<Credit> = candidates
                     .iter()
                     .map(|c| Credit {
-                        gpu: self
-                            .tracker
-                            .as_ref()
-                            .map_or(0, |t| t.prefix_len(c.worker, req.hashes, now)),
+                        gpu: self.speculative_prefix(c, req, now),
                         ..Credit::default()
                     })
                     .collect();
                 self.rank(&a.scoring, candidates, &credits, req)
             }
-            PolicyConfig::RoundRobin => {
-                let scores = score::load_scores(candidates);
-                let n = candidates.len();
-                let start = (req.ticket % n as u64) as usize;
-                let order: Vec<usize> = (0..n).map(|i| (start + i) % n).collect();
-                score::decision_from(name, Reason::RoundRobin, scores, &order)
-            }
+            PolicyConfig::RoundRobin => round_robin(name, candidates, req.ticket),
             PolicyConfig::LeastLoad => least_load(name, Reason::LeastLoad, candidates, req.ticket),
             PolicyConfig::SessionAffinity => match req.session {
-                Some(key) => {
-                    let scores = score::load_scores(candidates);
-                    let weights: Vec<u64> = candidates
-                        .iter()
-                        .map(|c| score::rendezvous_weight(key, c.worker))
-                        .collect();
-                    let order = score::sorted_order(candidates.len(), 0, |a, b| {
-                        weights[b].cmp(&weights[a])
-                    });
-                    score::decision_from(name, Reason::SessionAffinity, scores, &order)
-                }
+                Some(key) => session_affinity(name, candidates, key),
                 None => least_load(name, Reason::NoSession, candidates, req.ticket),
             },
         }
+    }
+
+    /// Blocks of the request's prefix the router-side record places on `c` (0 without one).
+    #[inline]
+    fn speculative_prefix(&self, c: &Candidate, req: &RequestCtx<'_>, now: Duration) -> u32 {
+        self.tracker
+            .as_ref()
+            .map_or(0, |t| t.prefix_len(c.worker, req.hashes, now))
+    }
+
+    /// The precise policy's credits: the index's prefix, lengthened on GPU by speculative
+    /// entries the events have not confirmed yet.
+    fn precise_credits(
+        &self,
+        req: &RequestCtx<'_>,
+        candidates: &[Candidate],
+        now: Duration,
+    ) -> Vec<Credit> {
+        candidates
+            .iter()
+            .map(|c| {
+                let spec = self.speculative_prefix(c, req, now);
+                let gpu = c.cache.gpu.max(spec);
+                Credit {
+                    gpu,
+                    offloaded: c.cache.any.max(gpu) - gpu,
+                    speculative: spec.saturating_sub(c.cache.gpu),
+                }
+            })
+            .collect()
     }
 
     /// Records a decision's effects on this policy's state: the chosen worker is assumed to
@@ -175,4 +172,25 @@ fn least_load(
         )
     });
     score::decision_from(name, reason, scores, &order)
+}
+
+/// In turn by ticket: the ticket picks the first candidate, the rest follow in order.
+fn round_robin(name: &'static str, candidates: &[Candidate], ticket: u64) -> Decision {
+    let scores = score::load_scores(candidates);
+    let n = candidates.len();
+    let start = (ticket % n as u64) as usize;
+    let order: Vec<usize> = (0..n).map(|i| (start + i) % n).collect();
+    score::decision_from(name, Reason::RoundRobin, scores, &order)
+}
+
+/// Highest rendezvous weight of (session, worker) first: a session stays on its worker
+/// while that worker is a candidate.
+fn session_affinity(name: &'static str, candidates: &[Candidate], key: &str) -> Decision {
+    let scores = score::load_scores(candidates);
+    let weights: Vec<u64> = candidates
+        .iter()
+        .map(|c| score::rendezvous_weight(key, c.worker))
+        .collect();
+    let order = score::sorted_order(candidates.len(), 0, |a, b| weights[b].cmp(&weights[a]));
+    score::decision_from(name, Reason::SessionAffinity, scores, &order)
 }

@@ -48,48 +48,11 @@ pub(crate) fn rank_by_cache(
     if n == 0 {
         return Decision::empty(policy);
     }
-    let total: f64 = candidates.iter().map(|c| c.load.outstanding()).sum();
-    let mean = (total / n as f64).max(1.0);
-    let fair = (total + 1.0) / n as f64;
-    let bs = f64::from(block_size);
-    // With few requests in flight the cap must still admit the next whole request on some
-    // worker, or every worker would be "over" it; the slack keeps the ratio from biting when
-    // the fair share is only a request or two.
-    let cap = (cfg.fair_share_cap * fair)
-        .max(fair + cfg.fair_share_slack)
-        .max(fair.ceil());
-    let pressure_span = (1.0 - cfg.kv_pressure_threshold).max(1e-9);
-
+    let scale = Scale::new(cfg, candidates, prompt_tokens, block_size);
     let mut scores: Vec<Score> = candidates
         .iter()
         .zip(credits)
-        .map(|(c, cr)| {
-            let load = c.load.outstanding();
-            let (gpu, offloaded, speculative) = if c.scorable {
-                (cr.gpu, cr.offloaded, cr.speculative)
-            } else {
-                (0, 0, 0)
-            };
-            let cached_blocks = f64::from(gpu) + cfg.offload_credit * f64::from(offloaded);
-            let pressure = (c.load.kv_usage - cfg.kv_pressure_threshold).max(0.0) / pressure_span;
-            let value = cached_blocks * bs
-                - cfg.load_weight_tokens * load / mean
-                - cfg.pending_prefill_weight * c.load.in_flight_prefill_tokens as f64
-                - cfg.kv_pressure_tokens * pressure.min(1.0);
-            let predicted = (u64::from(gpu.saturating_add(offloaded)) * u64::from(block_size))
-                .min(u64::from(prompt_tokens));
-            Score {
-                worker: c.worker,
-                gpu_blocks: gpu,
-                offloaded_blocks: offloaded,
-                speculative_blocks: speculative,
-                predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
-                load,
-                over_cap: load + 1.0 > cap,
-                scorable: c.scorable,
-                value,
-            }
-        })
+        .map(|(c, cr)| scale.score(cfg, c, cr))
         .collect();
     // If every candidate is over the cap (possible only with a cap near 1), nobody is.
     if scores.iter().all(|s| s.over_cap) {
@@ -111,6 +74,74 @@ pub(crate) fn rank_by_cache(
         reason,
         scores,
         policy,
+    }
+}
+
+/// The terms of one ranking that depend on the whole candidate set.
+#[derive(Clone, Copy, Debug)]
+struct Scale {
+    /// Mean outstanding requests, at least 1.
+    mean: f64,
+    /// The load above which a candidate is over the fair-share cap.
+    cap: f64,
+    pressure_span: f64,
+    prompt_tokens: u32,
+    block_size: u32,
+}
+
+impl Scale {
+    fn new(
+        cfg: &PreciseConfig,
+        candidates: &[Candidate],
+        prompt_tokens: u32,
+        block_size: u32,
+    ) -> Self {
+        let n = candidates.len() as f64;
+        let total: f64 = candidates.iter().map(|c| c.load.outstanding()).sum();
+        let fair = (total + 1.0) / n;
+        // With few requests in flight the cap must still admit the next whole request on some
+        // worker, or every worker would be "over" it; the slack keeps the ratio from biting
+        // when the fair share is only a request or two.
+        let cap = (cfg.fair_share_cap * fair)
+            .max(fair + cfg.fair_share_slack)
+            .max(fair.ceil());
+        Scale {
+            mean: (total / n).max(1.0),
+            cap,
+            pressure_span: (1.0 - cfg.kv_pressure_threshold).max(1e-9),
+            prompt_tokens,
+            block_size,
+        }
+    }
+
+    /// One candidate's score (the module doc's `value_i` and `over_cap_i`).
+    #[inline]
+    fn score(&self, cfg: &PreciseConfig, c: &Candidate, cr: &Credit) -> Score {
+        let load = c.load.outstanding();
+        let (gpu, offloaded, speculative) = if c.scorable {
+            (cr.gpu, cr.offloaded, cr.speculative)
+        } else {
+            (0, 0, 0)
+        };
+        let cached_blocks = f64::from(gpu) + cfg.offload_credit * f64::from(offloaded);
+        let pressure = (c.load.kv_usage - cfg.kv_pressure_threshold).max(0.0) / self.pressure_span;
+        let value = cached_blocks * f64::from(self.block_size)
+            - cfg.load_weight_tokens * load / self.mean
+            - cfg.pending_prefill_weight * c.load.in_flight_prefill_tokens as f64
+            - cfg.kv_pressure_tokens * pressure.min(1.0);
+        let predicted = (u64::from(gpu.saturating_add(offloaded)) * u64::from(self.block_size))
+            .min(u64::from(self.prompt_tokens));
+        Score {
+            worker: c.worker,
+            gpu_blocks: gpu,
+            offloaded_blocks: offloaded,
+            speculative_blocks: speculative,
+            predicted_cached_tokens: u32::try_from(predicted).unwrap_or(u32::MAX),
+            load,
+            over_cap: load + 1.0 > self.cap,
+            scorable: c.scorable,
+            value,
+        }
     }
 }
 

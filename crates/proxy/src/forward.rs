@@ -29,6 +29,7 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
+use http_body_util::Full;
 use tokio::time::{Instant, Sleep};
 
 use crate::decide::Target;
@@ -36,7 +37,7 @@ use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
 use crate::link::LinkBody;
 use crate::metrics::{PoolKind, PoolLabel, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
-use crate::upstream::{build_request, error_chain, response_headers, Upstream};
+use crate::upstream::{build_request, error_chain, response_headers, Upstream, UriError};
 use crate::usage::UsageScanner;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -92,74 +93,14 @@ pub(crate) async fn forward(
     req: Forward,
     targets: &[Target],
 ) -> Result<(Response, usize), RequestError> {
-    let settings = &fleet.settings;
-    let attempts = targets.len().min(settings.max_attempts.max(1) as usize);
+    let attempts = targets
+        .len()
+        .min(fleet.settings.max_attempts.max(1) as usize);
     let mut failures: Vec<String> = Vec::new();
     for (i, t) in targets.iter().take(attempts).enumerate() {
-        let prefill = req.accounting.prefill(t);
-        let guard = InFlight::new(t.replica.clone(), t.rank, prefill, fleet.changed.clone());
-        let rank = t.pin_rank.then_some(t.rank);
-        let upstream_req = match build_request(
-            &req.method,
-            &req.path_and_query,
-            &req.headers,
-            req.body.clone(),
-            &t.replica.endpoint,
-            rank,
-        ) {
-            Ok(r) => r,
-            Err(e) => {
-                failures.push(format!("{}: {e}", t.replica.url()));
-                continue;
-            }
-        };
-        let first_byte = settings.timeouts.first_byte();
-        let sent =
-            tokio::time::timeout(first_byte, upstream.send(&t.replica.endpoint, upstream_req))
-                .await;
         let more = i + 1 < attempts;
-        match sent {
-            Err(_) => {
-                fail_count(fleet, &t.replica, "first_byte_timeout");
-                return Err(RequestError::Timeout {
-                    replica: t.replica.url().to_owned(),
-                    timeout_ms: settings.timeouts.first_byte_ms,
-                });
-            }
-            Ok(Err(e)) if e.is_connect() => {
-                let msg = error_chain(&e);
-                fail_count(fleet, &t.replica, "connect");
-                if t.replica.set_down(msg.clone()) {
-                    tracing::warn!(replica = %t.replica.url(), error = %msg, "replica unreachable; marked down");
-                    fleet.bump();
-                }
-                if more {
-                    count_retry(fleet, &req, "connect");
-                }
-                failures.push(format!("{}: {msg}", t.replica.url()));
-            }
-            Ok(Err(e)) => {
-                // Sent (at least partly): the replica may have started on it, so no retry.
-                let msg = error_chain(&e);
-                fail_count(fleet, &t.replica, "request");
-                return Err(RequestError::Upstream {
-                    replica: t.replica.url().to_owned(),
-                    detail: msg,
-                });
-            }
-            Ok(Ok(resp)) => {
-                if resp.status() == StatusCode::SERVICE_UNAVAILABLE && more {
-                    fail_count(fleet, &t.replica, "unavailable");
-                    count_retry(fleet, &req, "unavailable");
-                    failures.push(format!("{}: answered 503", t.replica.url()));
-                    continue;
-                }
-                if t.replica.health() != crate::api::Health::Up {
-                    t.replica.set_up();
-                    fleet.bump();
-                }
-                return Ok((respond(fleet, req, t, guard, resp), i));
-            }
+        if let Some((guard, resp)) = attempt(fleet, upstream, &req, t, more, &mut failures).await? {
+            return Ok((respond(fleet, req, t, guard, resp), i));
         }
     }
     let pool = req.accounting.pool().unwrap_or_default().to_owned();
@@ -169,6 +110,92 @@ pub(crate) async fn forward(
         failures.join("; ")
     };
     Err(RequestError::NoReplica { pool, detail })
+}
+
+/// One attempt at target `t`: its response head with the in-flight guard, `None` when the
+/// next target may be tried (why is pushed to `failures`), or an error that ends the request.
+/// `more` says whether another target follows.
+async fn attempt(
+    fleet: &Arc<Fleet>,
+    upstream: &Upstream,
+    req: &Forward,
+    t: &Target,
+    more: bool,
+    failures: &mut Vec<String>,
+) -> Result<Option<(InFlight, http::Response<LinkBody>)>, RequestError> {
+    let settings = &fleet.settings;
+    let prefill = req.accounting.prefill(t);
+    let guard = InFlight::new(t.replica.clone(), t.rank, prefill, fleet.changed.clone());
+    let upstream_req = match upstream_request(req, t) {
+        Ok(r) => r,
+        Err(e) => {
+            failures.push(format!("{}: {e}", t.replica.url()));
+            return Ok(None);
+        }
+    };
+    let first_byte = settings.timeouts.first_byte();
+    let sent =
+        tokio::time::timeout(first_byte, upstream.send(&t.replica.endpoint, upstream_req)).await;
+    match sent {
+        Err(_) => {
+            fail_count(fleet, &t.replica, "first_byte_timeout");
+            Err(RequestError::Timeout {
+                replica: t.replica.url().to_owned(),
+                timeout_ms: settings.timeouts.first_byte_ms,
+            })
+        }
+        Ok(Err(e)) if e.is_connect() => {
+            let msg = error_chain(&e);
+            connect_failed(fleet, req, t, more, &msg);
+            failures.push(format!("{}: {msg}", t.replica.url()));
+            Ok(None)
+        }
+        Ok(Err(e)) => {
+            // Sent (at least partly): the replica may have started on it, so no retry.
+            fail_count(fleet, &t.replica, "request");
+            Err(RequestError::Upstream {
+                replica: t.replica.url().to_owned(),
+                detail: error_chain(&e),
+            })
+        }
+        Ok(Ok(resp)) => {
+            if resp.status() == StatusCode::SERVICE_UNAVAILABLE && more {
+                fail_count(fleet, &t.replica, "unavailable");
+                count_retry(fleet, req, "unavailable");
+                failures.push(format!("{}: answered 503", t.replica.url()));
+                return Ok(None);
+            }
+            if t.replica.health() != crate::api::Health::Up {
+                t.replica.set_up();
+                fleet.bump();
+            }
+            Ok(Some((guard, resp)))
+        }
+    }
+}
+
+/// The request as `t`'s replica gets it (its endpoint, and its DP rank when pinned).
+fn upstream_request(req: &Forward, t: &Target) -> Result<http::Request<Full<Bytes>>, UriError> {
+    build_request(
+        &req.method,
+        &req.path_and_query,
+        &req.headers,
+        req.body.clone(),
+        &t.replica.endpoint,
+        t.pin_rank.then_some(t.rank),
+    )
+}
+
+/// `t`'s replica refused the connection: counted, and marked down (once) with `msg`.
+fn connect_failed(fleet: &Fleet, req: &Forward, t: &Target, more: bool, msg: &str) {
+    fail_count(fleet, &t.replica, "connect");
+    if t.replica.set_down(msg.to_owned()) {
+        tracing::warn!(replica = %t.replica.url(), error = %msg, "replica unreachable; marked down");
+        fleet.bump();
+    }
+    if more {
+        count_retry(fleet, req, "connect");
+    }
 }
 
 fn fail_count(fleet: &Fleet, replica: &Replica, kind: &'static str) {
@@ -213,19 +240,9 @@ fn respond(
         })
         .inc();
     if fleet.settings.expose_endpoint_header {
-        if let Ok(v) = HeaderValue::from_str(t.replica.endpoint.authority.as_str()) {
-            headers.insert(HeaderName::from_static("x-kinference-endpoint"), v);
-        }
-        headers.insert(
-            HeaderName::from_static("x-kinference-dp-rank"),
-            HeaderValue::from(t.rank),
-        );
+        endpoint_headers(&mut headers, t);
     }
-    let sse = headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"))
-        && !headers.contains_key(header::CONTENT_LENGTH);
+    let sse = is_sse(&headers);
     let timeouts = &fleet.settings.timeouts;
     let idle_deadline = Instant::now() + timeouts.idle();
     let body = UpstreamBody {
@@ -254,6 +271,26 @@ fn respond(
     *out.status_mut() = status;
     *out.headers_mut() = headers;
     out
+}
+
+/// Which replica (authority) and DP rank served the request, for clients that ask.
+fn endpoint_headers(headers: &mut HeaderMap, t: &Target) {
+    if let Ok(v) = HeaderValue::from_str(t.replica.endpoint.authority.as_str()) {
+        headers.insert(HeaderName::from_static("x-kinference-endpoint"), v);
+    }
+    headers.insert(
+        HeaderName::from_static("x-kinference-dp-rank"),
+        HeaderValue::from(t.rank),
+    );
+}
+
+/// An event stream of unknown length: errors after the head are sent as an SSE event.
+fn is_sse(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("text/event-stream"))
+        && !headers.contains_key(header::CONTENT_LENGTH)
 }
 
 /// What the body records when it ends.

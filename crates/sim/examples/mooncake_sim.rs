@@ -16,9 +16,9 @@ mod trace;
 
 use std::error::Error;
 use std::path::PathBuf;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use kinference_sim::{Engine, EngineConfig, Fleet, FleetView, Profile, Request};
+use kinference_sim::{Engine, EngineConfig, Fleet, FleetReport, FleetView, Profile, Request};
 
 use trace::{arrival, default_trace_path, read_trace, Slice};
 
@@ -80,17 +80,6 @@ fn main() -> Result<(), Box<dyn Error>> {
     let wall = Instant::now();
     let report = fleet.run(arrivals, &mut round_robin)?;
     let wall = wall.elapsed();
-
-    let preemptions: u64 = report
-        .engine_metrics
-        .iter()
-        .map(|m| m.num_preemptions)
-        .sum();
-    let generated: u64 = report
-        .engine_metrics
-        .iter()
-        .map(|m| m.generation_tokens)
-        .sum();
     println!(
         "profile            {} ({} engines, round-robin)",
         profile.name, args.engines
@@ -101,6 +90,22 @@ fn main() -> Result<(), Box<dyn Error>> {
         lines.len()
     );
     println!("prompt tokens      {prompt_tokens}");
+    print_figures(&report, wall);
+    Ok(())
+}
+
+/// The run's figures after the workload lines: tokens, times, hit rate, TTFT, engine counts.
+fn print_figures(report: &FleetReport, wall: Duration) {
+    let preemptions: u64 = report
+        .engine_metrics
+        .iter()
+        .map(|m| m.num_preemptions)
+        .sum();
+    let generated: u64 = report
+        .engine_metrics
+        .iter()
+        .map(|m| m.generation_tokens)
+        .sum();
     println!("generated tokens   {generated}");
     println!("wall time          {:.2} s", wall.as_secs_f64());
     println!("simulated time     {:.1} s", report.simulated_secs());
@@ -120,5 +125,4 @@ fn main() -> Result<(), Box<dyn Error>> {
     println!("engine steps       {}", report.steps);
     println!("KV events          {}", report.kv_events);
     println!("preemptions        {preemptions}");
-    Ok(())
 }

@@ -128,6 +128,77 @@ struct ModelProbe {
     dropout: Option<Json>,
 }
 
+/// What the added tokens allow, from the tokenizer's added-token table.
+struct AddedFacts {
+    /// Per id: may a split point follow this added token.
+    split_after: Vec<bool>,
+    /// Some added token strips whitespace next to it.
+    any_strip: bool,
+    max_added_len: usize,
+    /// No added token can change how the words around it split.
+    word_safe: bool,
+}
+
+impl AddedFacts {
+    /// `identity`: normalizing changes nothing, so tokens matched on normalized text are as
+    /// good as raw ones.
+    fn of(tk: &HfTokenizer, identity: bool) -> Self {
+        let added = tk.get_added_tokens_decoder();
+        let max_id = added.keys().copied().max().map_or(0, |m| m as usize + 1);
+        let mut split_after = vec![false; max_id];
+        let mut any_strip = false;
+        for (id, t) in &added {
+            any_strip |= t.lstrip || t.rstrip;
+            let matched_raw = !t.normalized || identity;
+            if matched_raw && !t.lstrip && !t.rstrip && !t.single_word && !t.content.is_empty() {
+                split_after[*id as usize] = true;
+            }
+        }
+        AddedFacts {
+            split_after,
+            any_strip,
+            max_added_len: added.values().map(|t| t.content.len()).max().unwrap_or(0),
+            word_safe: added
+                .values()
+                .all(|t| !t.single_word && !t.lstrip && !t.rstrip && !t.content.contains(' ')),
+        }
+    }
+}
+
+impl Probe {
+    /// Whether split points are exact (see the module docs).
+    fn split_safe(&self, added: &AddedFacts) -> bool {
+        let dropout = self
+            .model
+            .as_ref()
+            .and_then(|m| m.dropout.as_ref())
+            .is_some_and(|d| !d.is_null());
+        !added.any_strip
+            && !dropout
+            && self.normalizer.as_ref().is_none_or(normalizer_is_per_piece)
+            && self
+                .pre_tokenizer
+                .as_ref()
+                .is_none_or(pre_tokenizer_is_per_piece)
+    }
+
+    /// Whether word split points are exact too (see the module docs).
+    fn word_splits(&self, added: &AddedFacts) -> bool {
+        let bpe = self
+            .model
+            .as_ref()
+            .is_some_and(|m| m.kind.as_deref() == Some("BPE"));
+        self.split_safe(added)
+            && added.word_safe
+            && bpe
+            && self.normalizer.as_ref().is_none_or(normalizer_is_word_safe)
+            && self
+                .pre_tokenizer
+                .as_ref()
+                .is_some_and(pre_tokenizer_is_word_safe)
+    }
+}
+
 impl Encoder {
     /// Loads `path` (a `tokenizer.json`).
     pub fn from_file(path: &Path) -> Result<Self> {
@@ -145,57 +216,16 @@ impl Encoder {
             .map_err(|e| load_err(format!("{e}")))?;
         tk.with_padding(None);
         let probe: Probe = serde_json::from_str(&text).map_err(|e| load_err(e.to_string()))?;
-        let added = tk.get_added_tokens_decoder();
-        let max_id = added.keys().copied().max().map_or(0, |m| m as usize + 1);
-        let mut split_after = vec![false; max_id];
-        let mut any_strip = false;
         // Tokens matched on normalized text are as good as raw ones when normalizing changes
         // nothing (no normalizer, or an empty sequence): the normalized text is the raw text.
         let identity = probe.normalizer.as_ref().is_none_or(normalizer_is_identity);
-        for (id, t) in &added {
-            any_strip |= t.lstrip || t.rstrip;
-            let matched_raw = !t.normalized || identity;
-            if matched_raw && !t.lstrip && !t.rstrip && !t.single_word && !t.content.is_empty() {
-                split_after[*id as usize] = true;
-            }
-        }
-        let max_added_len = added.values().map(|t| t.content.len()).max().unwrap_or(0);
-        let added_word_safe = added
-            .values()
-            .all(|t| !t.single_word && !t.lstrip && !t.rstrip && !t.content.contains(' '));
-        let bpe = probe
-            .model
-            .as_ref()
-            .is_some_and(|m| m.kind.as_deref() == Some("BPE"));
-        let dropout = probe
-            .model
-            .and_then(|m| m.dropout)
-            .is_some_and(|d| !d.is_null());
-        let split_safe = !any_strip
-            && !dropout
-            && probe
-                .normalizer
-                .as_ref()
-                .is_none_or(normalizer_is_per_piece)
-            && probe
-                .pre_tokenizer
-                .as_ref()
-                .is_none_or(pre_tokenizer_is_per_piece);
-        let word_splits = split_safe
-            && added_word_safe
-            && bpe
-            && probe
-                .normalizer
-                .as_ref()
-                .is_none_or(normalizer_is_word_safe)
-            && probe
-                .pre_tokenizer
-                .as_ref()
-                .is_some_and(pre_tokenizer_is_word_safe);
+        let added = AddedFacts::of(&tk, identity);
+        let split_safe = probe.split_safe(&added);
+        let word_splits = probe.word_splits(&added);
         let mut enc = Encoder {
             tk,
-            split_after,
-            max_added_len,
+            split_after: added.split_after,
+            max_added_len: added.max_added_len,
             split_safe,
             word_splits,
             special_affixes: None,
