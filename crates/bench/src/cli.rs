@@ -544,16 +544,7 @@ impl SimComparison<'_> {
                 "the workload is empty after --max-requests/--max-duration".into(),
             ));
         }
-        let b = (!a.no_bounds).then(|| {
-            bounds::compute(
-                &w,
-                setup.replicas,
-                setup.blocks_per_replica(),
-                setup.engine.block_size,
-                setup.engine.vocab_size,
-                setup.engine.max_model_len,
-            )
-        });
+        let b = (!a.no_bounds).then(|| hit_rate_bounds(&w, setup));
         let run_label = match load {
             Some(l) => format!("{label} at {:.0} % load", l * 100.0),
             None => label.to_owned(),
@@ -576,6 +567,18 @@ impl SimComparison<'_> {
             policies: results,
         })
     }
+}
+
+/// The hit-rate references of `w` on `setup`'s fleet.
+fn hit_rate_bounds(w: &Workload, setup: &SimSetup) -> bounds::Bounds {
+    bounds::compute(
+        w,
+        setup.replicas,
+        setup.blocks_per_replica(),
+        setup.engine.block_size,
+        setup.engine.vocab_size,
+        setup.engine.max_model_len,
+    )
 }
 
 /// The simulated fleet as `results.json` describes it.
