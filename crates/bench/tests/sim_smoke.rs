@@ -6,11 +6,12 @@
 
 use kinference_bench::synth::SharedPrefix;
 use kinference_bench::{
-    bounds, compare_sim, summarize, Arrivals, Costs, Report, RunReport, SimPolicy, SimSetup,
+    bounds, compare_sim, summarize, Arrivals, Costs, PolicyResult, Report, RunReport, SimPolicy,
+    SimSetup, Workload,
 };
 
-#[test]
-fn cache_aware_beats_round_robin_and_results_json_has_the_fields() {
+/// 300 requests over 16 prefixes of 2,048 tokens, at the workload's own times.
+fn workload() -> (Workload, Arrivals) {
     let mut w = SharedPrefix {
         requests: 300,
         groups: 16,
@@ -25,6 +26,12 @@ fn cache_aware_beats_round_robin_and_results_json_has_the_fields() {
     .unwrap();
     let arrivals = Arrivals::Trace { speedup: 1.0 };
     arrivals.apply(&mut w).unwrap();
+    (w, arrivals)
+}
+
+#[test]
+fn cache_aware_beats_round_robin_and_results_json_has_the_fields() {
+    let (w, arrivals) = workload();
     // 4 engines of 8k tokens each: three prefixes fit per engine, not all sixteen.
     let setup = SimSetup::from_profile("llama-3.1-8b-h100x1", 4, Some(8_192)).unwrap();
     let policies: Vec<SimPolicy> = ["round-robin", "precise", "oracle"]
@@ -44,14 +51,7 @@ fn cache_aware_beats_round_robin_and_results_json_has_the_fields() {
     };
     let (rr, precise, oracle) = (hit("round-robin"), hit("precise"), hit("oracle"));
     for r in [&rr, &precise, &oracle] {
-        eprintln!(
-            "{} hit {:.3} ttft p50 {:?} imb {:?} util {:?}",
-            r.policy, r.hit_rate, r.ttft_p50_s, r.imbalance, r.utilization
-        );
-        assert_eq!(r.completed, 300, "{}", r.policy);
-        assert!(r.ttft_p50_s.unwrap() > 0.0);
-        assert!(r.ttft_p99_s.unwrap() >= r.ttft_p50_s.unwrap());
-        assert!(r.imbalance.unwrap() >= 1.0);
+        check_result(r);
     }
     assert!(
         precise.hit_rate > rr.hit_rate + 0.15,
@@ -87,6 +87,24 @@ fn cache_aware_beats_round_robin_and_results_json_has_the_fields() {
             policies: runs,
         }],
     };
+    check_files(&report);
+}
+
+/// Every request completed, with sane latencies and balance.
+fn check_result(r: &PolicyResult) {
+    eprintln!(
+        "{} hit {:.3} ttft p50 {:?} imb {:?} util {:?}",
+        r.policy, r.hit_rate, r.ttft_p50_s, r.imbalance, r.utilization
+    );
+    assert_eq!(r.completed, 300, "{}", r.policy);
+    assert!(r.ttft_p50_s.unwrap() > 0.0);
+    assert!(r.ttft_p99_s.unwrap() >= r.ttft_p50_s.unwrap());
+    assert!(r.imbalance.unwrap() >= 1.0);
+}
+
+/// `results.json` carries every documented field, the markdown the table, and both plots
+/// are PNGs.
+fn check_files(report: &Report) {
     let dir = std::env::temp_dir().join(format!("kinference-bench-smoke-{}", std::process::id()));
     report.write_json(&dir).unwrap();
     let v: serde_json::Value =
@@ -107,7 +125,7 @@ fn cache_aware_beats_round_robin_and_results_json_has_the_fields() {
         }
     }
     assert!(report.markdown("cmd").contains("| precise |"));
-    let pngs = kinference_bench::plot::write_plots(&report, &dir).unwrap();
+    let pngs = kinference_bench::plot::write_plots(report, &dir).unwrap();
     assert_eq!(pngs.len(), 2, "{pngs:?}");
     for p in &pngs {
         let bytes = std::fs::read(p).unwrap();
