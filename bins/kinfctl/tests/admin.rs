@@ -201,6 +201,19 @@ async fn explain_ranks_the_replica_holding_the_prefix_first() {
     assert_eq!(cold.reason, "no_cache", "{cold:#?}");
     assert!(cold.candidates.iter().all(|c| c.gpu_blocks == 0));
 
+    let (served, blocks) = serve_first(&proxy).await;
+    let gpu = explain_text(&admin, second_bytes, &served, blocks).await;
+    explain_json(&admin, &second, &served, gpu).await;
+    explain_unknown_model(&admin).await;
+    proxy.shutdown().await;
+    for s in sims {
+        s.shutdown();
+    }
+}
+
+/// One request through the router; returns the replica that served it and its prompt's
+/// blocks, once their events are in the index and every replica is idle again.
+async fn serve_first(proxy: &Proxy) -> (String, u64) {
     let first =
         json!({"model": MODEL, "prompt": prompt("What does status print?"), "max_tokens": 4});
     let resp = reqwest::Client::new()
@@ -231,9 +244,14 @@ async fn explain_ranks_the_replica_holding_the_prefix_first() {
         .await
         .unwrap_or_else(|s| panic!("replicas never looked idle: {s:#?}"));
 
-    // The human form, body on stdin without a model (set by --model).
+    (served, blocks)
+}
+
+/// The human form, body on stdin without a model (set by --model); returns the GPU blocks
+/// credited to the best replica.
+async fn explain_text(admin: &str, second_bytes: Vec<u8>, served: &str, blocks: u64) -> u64 {
     let run = kinfctl(
-        args(&["explain", "--admin", &admin, "--model", MODEL]),
+        args(&["explain", "--admin", admin, "--model", MODEL]),
         Some(second_bytes),
     )
     .await;
@@ -265,7 +283,11 @@ async fn explain_ranks_the_replica_holding_the_prefix_first() {
         "the other replica caches nothing:\n{text}"
     );
 
-    // The JSON form, body from a file with its own model.
+    gpu
+}
+
+/// The JSON form, body from a file with its own model.
+async fn explain_json(admin: &str, second: &Value, served: &str, gpu: u64) {
     let file = std::env::temp_dir().join(format!("kinfctl-explain-{}.json", std::process::id()));
     let mut with_model = second.clone();
     with_model["model"] = MODEL.into();
@@ -274,7 +296,7 @@ async fn explain_ranks_the_replica_holding_the_prefix_first() {
         args(&[
             "explain",
             "--admin",
-            &admin,
+            admin,
             "--body",
             file.to_str().unwrap(),
             "--json",
@@ -291,10 +313,12 @@ async fn explain_ranks_the_replica_holding_the_prefix_first() {
     assert_eq!(e.chosen.as_deref(), Some(e.candidates[0].worker.as_str()));
     assert_eq!(u64::from(e.candidates[0].gpu_blocks), gpu);
     assert_eq!(e.candidates[1].gpu_blocks, 0, "{e:#?}");
+}
 
-    // The router's own refusal comes back as the error, with a non-zero exit.
+/// The router's own refusal comes back as the error, with a non-zero exit.
+async fn explain_unknown_model(admin: &str) {
     let run = kinfctl(
-        args(&["explain", "--admin", &admin, "--model", "no-such-model"]),
+        args(&["explain", "--admin", admin, "--model", "no-such-model"]),
         Some(br#"{"prompt": "x"}"#.to_vec()),
     )
     .await;
@@ -306,10 +330,6 @@ async fn explain_ranks_the_replica_holding_the_prefix_first() {
         "{}",
         run.stderr
     );
-    proxy.shutdown().await;
-    for s in sims {
-        s.shutdown();
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
