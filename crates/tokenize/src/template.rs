@@ -93,7 +93,8 @@ fn rewrite_generation_tags(source: &str) -> String {
     while let Some(start) = rest.find("{%") {
         out.push_str(&rest[..start]);
         let tag = &rest[start..];
-        let Some(end) = tag.find("%}") else {
+        // The closing `%}` is searched after the opening `{%`: in `{%}` the two share the `%`.
+        let Some(end) = tag[2..].find("%}").map(|i| i + 2) else {
             out.push_str(tag);
             return out;
         };
@@ -414,6 +415,22 @@ mod tests {
         assert_eq!(
             render("{{ strftime_now('%Y') | length }}", serde_json::json!({})).unwrap(),
             "4"
+        );
+    }
+
+    #[test]
+    fn tags_that_share_their_percent_sign_are_syntax_errors_not_panics() {
+        for src in ["{%}", "a{%}b", "{%-}", "{%}%}", "{%%}", "{% generation %}{%}"] {
+            match ChatTemplate::new(src) {
+                Err(TokenizeError::TemplateSyntax(_)) => {}
+                other => panic!("{src:?}: {:?}", other.map(|t| t.source().to_string())),
+            }
+        }
+        assert_eq!(rewrite_generation_tags("{%}"), "{%}");
+        assert_eq!(rewrite_generation_tags("{%%}"), "{%%}");
+        assert_eq!(
+            rewrite_generation_tags("{%- generation -%}x{% endgeneration %}"),
+            "{%- if true -%}x{% endif %}"
         );
     }
 

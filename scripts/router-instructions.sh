@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# router-instructions.sh - the CPU instructions `kinference serve` executes per request, counted
+# by valgrind's callgrind: the same count for the same binary and inputs whatever else the
+# machine is doing, so two builds can be compared on a busy machine where wall-clock figures
+# (scripts/router-latency.sh) are too noisy to show a few percent.
+#
+# The router (--policy precise, scraping off so that time spent under valgrind does not add
+# scrapes) fronts 4 simulated replicas with KV events on, as in scripts/router-latency.sh, and
+# gets the same kind of request: one of 8 shared ~4,000-character prefixes plus a unique tail,
+# /v1/completions, max_tokens=8, sent one at a time. The router runs twice, with N1 and with
+# N2 requests; (instructions(N2) - instructions(N1)) / (N2 - N1) is the per-request figure,
+# start-up (tokenizer loading) and shutdown cancelling out.
+#
+# usage: scripts/router-instructions.sh ROUTER_BINARY [SIM_BINARY]
+#   SIM_BINARY (default ROUTER_BINARY) runs the replicas: give both runs of a comparison the
+#   same one so that only the router differs.
+# env: N1=20 N2=220 TOKENIZER=../shared/data/tokenizers/llama3.1 RESULTS=target/router-instructions
+set -euo pipefail
+case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
+ROUTER=$1
+SIM=${2:-$1}
+N1=${N1:-20}
+N2=${N2:-220}
+TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+OUT=${RESULTS:-$REPO/target/router-instructions}/$(date +%Y%m%d-%H%M%S)
+command -v valgrind >/dev/null || { echo "valgrind is needed (apt-get install valgrind)" >&2; exit 1; }
+[ "$N2" -gt "$N1" ] || { echo "N2 must be greater than N1" >&2; exit 1; }
+mkdir -p "$OUT"
+PIDS=()
+trap 'for p in "${PIDS[@]}"; do stop_tree "$p" 5; done' EXIT
+
+"$SIM" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$TOKENIZER" --block-size 16 \
+  --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
+  >"$OUT/sim.out" 2>"$OUT/sim.err" &
+PIDS+=($!)
+wait_sim_replicas "$OUT/sim.out" "$!" 4
+REPLICAS=()
+while read -r line; do
+  REPLICAS+=(--replica "$(field "$line" url),events=$(dial "$(field "$line" events)"),replay=$(field "$line" replay)")
+done < <(grep '^replica=' "$OUT/sim.out")
+
+# count N: runs the router under callgrind for N requests and prints its instruction total.
+count() {
+  local n=$1 dir=$OUT/n$1 pid data admin
+  mkdir -p "$dir"
+  NO_COLOR=1 valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" "$ROUTER" serve \
+    --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" --block-size 16 \
+    --policy precise --scrape-interval-ms 0 "${REPLICAS[@]}" >"$dir/router.out" 2>"$dir/router.err" &
+  pid=$!
+  PIDS+=("$pid")
+  read -r data admin < <(router_addrs "$dir/router.err" "$pid" 600)
+  python3 - "http://$data" "$n" <<'PYEOF'
+import json, sys, urllib.request
+url, n = sys.argv[1], int(sys.argv[2])
+words = ("the router sends each request to a replica that already holds its prefix in cache "
+         "blocks of sixteen tokens").split()
+def prefix(k):
+    s, out = 7919 * (k + 1), [f"Document {k}."]
+    while sum(len(w) + 1 for w in out) < 4000:
+        s = (s * 1103515245 + 12345) % 2147483648
+        out.append(words[(s // 65536) % len(words)])
+    return " ".join(out)
+prefixes = [prefix(k) for k in range(8)]
+for i in range(n):
+    body = {"model": "bench", "prompt": f"{prefixes[i % 8]} request {i} unique tail", "max_tokens": 8}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+        if r.status != 200:
+            sys.exit(f"request {i}: HTTP {r.status}")
+PYEOF
+  stop "$pid" 120
+  awk '/^(summary|totals):/ {print $2; exit}' "$dir/callgrind.out"
+}
+
+i1=$(count "$N1")
+i2=$(count "$N2")
+per=$(( (i2 - i1) / (N2 - N1) ))
+{
+  echo "router: $ROUTER ($("$ROUTER" --version 2>/dev/null || true))"
+  echo "simulator: $SIM"
+  echo "instructions: $i1 for $N1 requests, $i2 for $N2 requests"
+  echo "per request: $per"
+} | tee "$OUT/summary.txt"
