@@ -2,13 +2,19 @@
 //! see `docs/config.md`) or, for a one-pool fleet, from flags alone; every flag also reads a
 //! `KINFERENCE_*` environment variable. Flags override the file's top-level settings; the pool
 //! flags (`--model`, `--tokenizer`, `--block-size`, `--replica`, ...) describe the one pool of a
-//! file-less fleet and cannot be combined with `--config`.
+//! file-less fleet and cannot be combined with `--config`. On Kubernetes, `--inference-pool`
+//! replaces `--replica`: the pool's replicas are the ready pods of that `InferencePool`
+//! (several pools: `inferencePool:` in the file), read with `--kubeconfig` or, in a pod, its
+//! service account.
 
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 
-use kinference_proxy::{parse_policy, Config, PoolConfig, Proxy, ReplicaSpec};
+use kinference_proxy::{parse_policy, Config, InferencePoolRef, PoolConfig, Proxy, ReplicaSpec};
+
+/// Where a pod's service account says which namespace it runs in.
+const POD_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -54,6 +60,18 @@ pub struct ServeArgs {
         help = "One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N]. Repeat for each replica (';' separates them in KINFERENCE_REPLICAS)"
     )]
     replicas: Vec<String>,
+    /// One-pool fleet on Kubernetes: the InferencePool whose ready pods are the replicas
+    /// (instead of --replica).
+    #[arg(long, env = "KINFERENCE_INFERENCE_POOL")]
+    inference_pool: Option<String>,
+    /// Kubernetes: kubeconfig file [default: in a pod its service account, else $KUBECONFIG
+    /// or ~/.kube/config].
+    #[arg(long, env = "KINFERENCE_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Kubernetes: namespace of InferencePools that do not name one [default: the pod's own,
+    /// else "default"].
+    #[arg(long, env = "KINFERENCE_NAMESPACE")]
+    namespace: Option<String>,
 
     /// Upstream connect timeout, ms.
     #[arg(long, env = "KINFERENCE_CONNECT_TIMEOUT_MS")]
@@ -101,6 +119,20 @@ impl ServeArgs {
             || self.session_header.is_some()
             || self.tokenizer_cache_bytes.is_some()
             || !self.replicas.is_empty()
+            || self.inference_pool.is_some()
+    }
+
+    /// The namespace of pools that name none: the flag, the pod's own, or `default`.
+    fn namespace(&self) -> String {
+        self.namespace
+            .clone()
+            .or_else(|| {
+                std::fs::read_to_string(POD_NAMESPACE_FILE)
+                    .ok()
+                    .map(|s| s.trim().to_owned())
+                    .filter(|s| !s.is_empty())
+            })
+            .unwrap_or_else(|| "default".to_owned())
     }
 
     /// The one pool described by flags; every missing or bad flag is reported at once.
@@ -115,8 +147,14 @@ impl ServeArgs {
         if self.block_size.is_none() {
             problems.push("--block-size N is required (the replicas' --block-size)".to_owned());
         }
-        if self.replicas.is_empty() {
-            problems.push("at least one --replica URL[,events=...] is required".to_owned());
+        match (self.replicas.is_empty(), &self.inference_pool) {
+            (true, None) => problems.push(
+                "at least one --replica URL[,events=...] (or --inference-pool NAME) is required"
+                    .to_owned(),
+            ),
+            (false, Some(_)) => problems
+                .push("--replica and --inference-pool exclude each other: pick one".to_owned()),
+            _ => {}
         }
         let mut replicas = Vec::new();
         for r in &self.replicas {
@@ -154,6 +192,10 @@ impl ServeArgs {
             pool.tokenizer_cache_bytes = b;
         }
         pool.replicas = replicas;
+        pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {
+            namespace: None,
+            name: name.clone(),
+        });
         Ok(pool)
     }
 
@@ -205,6 +247,12 @@ impl ServeArgs {
         if self.expose_endpoint_header {
             cfg.expose_endpoint_header = true;
         }
+        let namespace = self.namespace();
+        for p in &mut cfg.pools {
+            if let Some(r) = &mut p.inference_pool {
+                r.namespace.get_or_insert_with(|| namespace.clone());
+            }
+        }
         cfg.check()?;
         Ok(cfg)
     }
@@ -212,6 +260,8 @@ impl ServeArgs {
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
+    let namespace = args.namespace();
+    let kubeconfig = args.kubeconfig.clone();
     // Requests are served on the proxy's own data-plane threads (`threads`); this runtime only
     // carries the background work (event streams into the index, scrapes, discovery, the admin
     // port). One worker keeps that work from waking a second thread per KV-event batch, which
@@ -225,9 +275,35 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .context("starting the async runtime")?;
     rt.block_on(async move {
         let proxy = Proxy::start(cfg).await?;
+        let discovery = discover(&proxy, kubeconfig.as_deref(), &namespace).await?;
         proxy.run_until(shutdown_signal()).await;
+        for task in discovery {
+            task.abort();
+        }
         Ok(())
     })
+}
+
+/// Starts following the InferencePool of every discovered pool (none: nothing to do).
+async fn discover(
+    proxy: &Proxy,
+    kubeconfig: Option<&std::path::Path>,
+    namespace: &str,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let pools = proxy.discovered_pools();
+    if pools.is_empty() {
+        return Ok(Vec::new());
+    }
+    let client = kinference_k8s::client(kubeconfig)
+        .await
+        .context("connecting to Kubernetes for the InferencePools")?;
+    Ok(pools
+        .into_iter()
+        .map(|members| {
+            tracing::info!(pool = %members.name(), inference_pool = %members.source().name, "following InferencePool");
+            kinference_k8s::router::spawn_pool(client.clone(), members, namespace)
+        })
+        .collect())
 }
 
 /// Ctrl-C, or SIGTERM on Unix (what Kubernetes sends).
@@ -305,6 +381,48 @@ mod tests {
         assert_eq!(pool.policy.name(), "least-load");
         assert_eq!(pool.replicas.len(), 2);
         assert!(pool.replicas[0].events.is_some());
+    }
+
+    #[test]
+    fn an_inference_pool_replaces_the_replica_list() {
+        let cli = Cli::try_parse_from([
+            "serve",
+            "--model",
+            "M",
+            "--tokenizer",
+            &tok(),
+            "--block-size",
+            "16",
+            "--inference-pool",
+            "llama",
+            "--namespace",
+            "models",
+        ])
+        .unwrap();
+        let cfg = cli.serve.config().unwrap();
+        let pool = &cfg.pools[0];
+        assert!(pool.replicas.is_empty());
+        let r = pool.inference_pool.as_ref().unwrap();
+        assert_eq!(
+            (r.namespace.as_deref(), r.name.as_str()),
+            (Some("models"), "llama")
+        );
+        let both = Cli::try_parse_from([
+            "serve",
+            "--model",
+            "M",
+            "--tokenizer",
+            &tok(),
+            "--block-size",
+            "16",
+            "--inference-pool",
+            "llama",
+            "--replica",
+            "http://h:1",
+        ])
+        .unwrap();
+        let err = both.serve.config().unwrap_err().to_string();
+        assert!(err.contains("exclude each other"), "{err}");
     }
 
     #[test]

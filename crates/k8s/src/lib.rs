@@ -7,6 +7,8 @@
 //!   walks live Kubernetes state.
 //! - [`crd`]: our `kinference.io/v1alpha1` API, generated from these Rust types
 //!   (`kinference crdgen`; the chart's copies are checked against it by a test).
+//! - [`router`]: the router's side, one task per discovered pool applying each snapshot's
+//!   diff to the router's live fleet and writing the `KinferencePool` status.
 //! - [`status::StatusWriter`]: the router's report, by server-side apply with one field manager
 //!   (why one, and not a Lease: see that module).
 //!
@@ -31,6 +33,7 @@
 pub mod crd;
 pub mod error;
 pub mod gie;
+pub mod router;
 pub mod snapshot;
 pub mod status;
 pub mod watch;

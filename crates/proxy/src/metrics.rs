@@ -280,6 +280,8 @@ struct StateSeries {
     ev_unrec: Series,
     ev_resets: Series,
     ev_decode: Series,
+    discovery_ok: Series,
+    discovery_error: Series,
 }
 
 impl StateSeries {
@@ -370,6 +372,14 @@ impl StateSeries {
                 "kinference_event_stream_decode_errors",
                 "Event messages that could not be decoded",
             ),
+            discovery_ok: Series::gauge(
+                "kinference_pool_discovery_ok",
+                "1 while a discovered pool's source (InferencePool, pods) can be read",
+            ),
+            discovery_error: Series::gauge(
+                "kinference_pool_discovery_error",
+                "1 while a discovered pool's source cannot be read, labelled with why",
+            ),
         }
     }
 
@@ -381,6 +391,17 @@ impl StateSeries {
             self.tracked
                 .samples
                 .push((pl(), pool.tracked_entries as f64));
+            if let Some(d) = &pool.discovery {
+                let ok = d.synced && d.error.is_none();
+                self.discovery_ok
+                    .samples
+                    .push((pl(), f64::from(u8::from(ok))));
+                if let Some(kind) = &d.error_kind {
+                    let mut el = pl();
+                    el.push(("reason", kind.clone()));
+                    self.discovery_error.samples.push((el, 1.0));
+                }
+            }
             let mut n_unscorable = 0usize;
             for replica in &pool.replicas {
                 let rl = || {
@@ -469,6 +490,8 @@ impl StateSeries {
             &self.ev_unrec,
             &self.ev_resets,
             &self.ev_decode,
+            &self.discovery_ok,
+            &self.discovery_error,
         ] {
             s.encode(encoder)?;
         }

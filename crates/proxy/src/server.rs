@@ -209,7 +209,11 @@ async fn models(State(Data { fleet, upstream }): State<Data>) -> Response {
         .saturating_add(Duration::from_secs(3));
     let mut tasks = tokio::task::JoinSet::new();
     for pool in &fleet.pools {
-        for r in pool.replicas.iter().filter(|r| r.health() != Health::Down) {
+        for r in pool
+            .replicas()
+            .iter()
+            .filter(|r| r.health() != Health::Down)
+        {
             let (u, r) = (upstream.clone(), r.clone());
             tasks.spawn(async move { u.get(&r.endpoint, "/v1/models", timeout, 4 << 20).await });
         }

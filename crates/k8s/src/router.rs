@@ -1,0 +1,226 @@
+//! The router's side of discovery: one task per discovered pool follows the pool's
+//! [`PoolWatcher`], applies the [`diff`](crate::diff) of each new snapshot to the router's
+//! [`PoolMembers`], reports whether the pool can be read, and writes the status of the
+//! `KinferencePool` naming it.
+//!
+//! Invariants: leavers are removed before joiners are added, so a pod that changed its IP is
+//! never routed at both addresses; a member that cannot join is logged and left out until the
+//! next snapshot that still lists it; a pool that cannot be read keeps its last known members
+//! (the watcher keeps them) and is reported through [`PoolMembers::set_source_state`], once
+//! per change in the log. Nothing here panics, and each pool has its own task, so one pool's
+//! failure never stops another's.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use kinference_proxy::api::{Health, PoolStatus};
+use kinference_proxy::{EventsSpec, PoolMembers, ReplicaSpec};
+use kube::Client;
+use tokio::task::JoinHandle;
+
+use crate::snapshot::{diff_endpoints, Endpoint, EventSource, PoolSnapshot, PoolState};
+use crate::status::{StatusReport, StatusWriter, Verdict};
+use crate::watch::{PoolWatcher, WatchConfig};
+
+/// How often the `KinferencePool` status is re-applied without a change in membership (an
+/// apply that changes nothing is not a write on the API server).
+pub const STATUS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Starts following `members`' `InferencePool` (in `namespace` unless the configuration names
+/// one) on the current runtime; the task ends when the handle is aborted.
+pub fn spawn_pool(client: Client, members: PoolMembers, namespace: &str) -> JoinHandle<()> {
+    let ns = members
+        .source()
+        .namespace
+        .clone()
+        .unwrap_or_else(|| namespace.to_owned());
+    let cfg = WatchConfig::new(&ns, &members.source().name);
+    tokio::spawn(run_pool(client, members, cfg))
+}
+
+/// Follows one pool until the watcher's channel closes.
+pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
+    let writer = StatusWriter::new(client.clone(), &cfg.namespace);
+    let watcher = PoolWatcher::start(client, cfg);
+    let mut rx = watcher.subscribe();
+    let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
+    let mut reported: Option<String> = None;
+    let mut tick = tokio::time::interval(STATUS_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let snap = rx.borrow_and_update().clone();
+        apply(&members, &mut held, &snap).await;
+        report_state(&members, &snap, &mut reported);
+        write_status(&writer, &members, &snap).await;
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            _ = tick.tick() => {}
+        }
+    }
+}
+
+/// Makes the members match the snapshot's endpoints.
+async fn apply(members: &PoolMembers, held: &mut BTreeMap<String, Endpoint>, snap: &PoolSnapshot) {
+    let d = diff_endpoints(held, &snap.endpoints);
+    for name in &d.left {
+        members.leave(name).await;
+        held.remove(name);
+    }
+    let joins = d
+        .changed
+        .into_iter()
+        .map(|(n, _, e)| (n, e))
+        .chain(d.joined);
+    for (name, e) in joins {
+        match members.join(&name, &replica_specs(&e)).await {
+            Ok(()) => {
+                held.insert(name, e);
+            }
+            Err(err) => {
+                // Left out of `held`, so the next snapshot listing it tries again.
+                members.leave(&name).await;
+                held.remove(&name);
+                tracing::warn!(pool = %members.name(), pod = %name, error = %err, "pod cannot join the pool");
+            }
+        }
+    }
+}
+
+/// The router's replicas for one pod: one per target port; the pod's event source goes with
+/// the first, the others ask their own server.
+pub fn replica_specs(e: &Endpoint) -> Vec<ReplicaSpec> {
+    e.urls
+        .iter()
+        .enumerate()
+        .map(|(i, url)| {
+            let mut r = ReplicaSpec::new(url);
+            let source = if i == 0 {
+                &e.events
+            } else {
+                &EventSource::Discover
+            };
+            r.events = Some(events_spec(source));
+            r
+        })
+        .collect()
+}
+
+fn events_spec(source: &EventSource) -> EventsSpec {
+    match source {
+        EventSource::Discover => EventsSpec {
+            discover: true,
+            ..EventsSpec::default()
+        },
+        EventSource::Connect {
+            endpoint,
+            replay,
+            topic,
+        } => EventsSpec {
+            connect: Some(endpoint.clone()),
+            replay: replay.clone(),
+            topic: topic.clone(),
+            ..EventsSpec::default()
+        },
+        EventSource::Bind { endpoint, topic } => EventsSpec {
+            bind: Some(endpoint.clone()),
+            topic: topic.clone(),
+            ..EventsSpec::default()
+        },
+    }
+}
+
+/// Tells the router whether the pool can be read, logging each change once.
+fn report_state(members: &PoolMembers, snap: &PoolSnapshot, reported: &mut Option<String>) {
+    match &snap.state {
+        PoolState::Syncing => {}
+        PoolState::Ready => {
+            if reported.take().is_some() {
+                tracing::info!(pool = %members.name(), namespace = %snap.namespace,
+                    inference_pool = %snap.pool, "InferencePool readable again");
+            }
+            members.set_source_state(None);
+        }
+        PoolState::Error(e) => {
+            let message = e.to_string();
+            if reported.as_deref() != Some(&message) {
+                tracing::error!(pool = %members.name(), namespace = %snap.namespace,
+                    inference_pool = %snap.pool, error = %message, kept = snap.endpoints.len(),
+                    "InferencePool cannot be read; routing on the replicas last read");
+                *reported = Some(message.clone());
+            }
+            members.set_source_state(Some((e.metric_label(), message)));
+        }
+    }
+}
+
+/// Applies the `KinferencePool` status when one names the pool.
+async fn write_status(writer: &StatusWriter, members: &PoolMembers, snap: &PoolSnapshot) {
+    let Some(routing) = &snap.routing else { return };
+    let report = report_for(&members.status(), &snap.state);
+    let now = k8s_openapi::jiff::Timestamp::now();
+    if let Err(e) = writer.apply(&routing.name, &report, now).await {
+        tracing::warn!(pool = %members.name(), kinference_pool = %routing.name, error = %e,
+            reason = e.metric_label(), "writing the KinferencePool status failed");
+    }
+}
+
+/// The status report for a pool as the router sees it (pure).
+pub fn report_for(pool: &PoolStatus, state: &PoolState) -> StatusReport {
+    let total = pool.replicas.len();
+    let up = pool.replicas.iter().filter(|r| r.health != Health::Down);
+    let scorable = up.clone().filter(|r| r.scorable).count();
+    let healthy = up.count();
+    let ready = match state {
+        PoolState::Error(e) => Verdict::False {
+            reason: "SourceUnreadable".into(),
+            message: e.to_string(),
+        },
+        PoolState::Syncing => Verdict::Unknown {
+            reason: "Syncing".into(),
+            message: "the InferencePool has not been read yet".into(),
+        },
+        PoolState::Ready if healthy == 0 => Verdict::False {
+            reason: "NoReplicas".into(),
+            message: format!("{total} replicas, none reachable"),
+        },
+        PoolState::Ready => Verdict::True {
+            reason: "Routing".into(),
+            message: format!("{healthy} of {total} replicas reachable"),
+        },
+    };
+    let unscorable: Vec<String> = pool
+        .replicas
+        .iter()
+        .filter_map(|r| Some(format!("{}: {}", r.url, r.unscorable_reason.as_ref()?)))
+        .collect();
+    let hashing_verified = if !unscorable.is_empty() {
+        Verdict::False {
+            reason: "HashMismatch".into(),
+            message: unscorable.join("; "),
+        }
+    } else if pool.replicas.iter().any(|r| r.cache_config.is_some()) {
+        Verdict::True {
+            reason: "CacheConfigMatches".into(),
+            message: "every replica's cache configuration and events match the pool's".into(),
+        }
+    } else {
+        Verdict::Unknown {
+            reason: "NotChecked".into(),
+            message: "no replica has reported its cache configuration yet".into(),
+        }
+    };
+    let (hits, queries) = pool.replicas.iter().fold((0.0, 0.0), |(h, q), r| {
+        (
+            h + r.prefix_cache_hits.unwrap_or(0.0),
+            q + r.prefix_cache_queries.unwrap_or(0.0),
+        )
+    });
+    StatusReport {
+        ready,
+        hashing_verified,
+        replicas: i32::try_from(total).unwrap_or(i32::MAX),
+        scorable_replicas: i32::try_from(scorable).unwrap_or(i32::MAX),
+        predicted_hit_rate: None,
+        reported_hit_rate: (queries > 0.0).then(|| hits / queries),
+    }
+}
