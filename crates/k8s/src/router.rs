@@ -43,20 +43,19 @@ pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
     let writer = StatusWriter::new(client.clone(), &cfg.namespace);
     let watcher = PoolWatcher::start(client, cfg);
     let mut rx = watcher.subscribe();
+    // Its own task: a slow or unreachable API server must not hold back membership changes.
+    let status = tokio::spawn(write_status(writer, members.clone(), rx.clone()));
     let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
     let mut reported: Option<String> = None;
-    let mut tick = tokio::time::interval(STATUS_INTERVAL);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let snap = rx.borrow_and_update().clone();
         apply(&members, &mut held, &snap).await;
         report_state(&members, &snap, &mut reported);
-        write_status(&writer, &members, &snap).await;
-        tokio::select! {
-            changed = rx.changed() => if changed.is_err() { return },
-            _ = tick.tick() => {}
+        if rx.changed().await.is_err() {
+            break;
         }
     }
+    status.abort();
 }
 
 /// Makes the members match the snapshot's endpoints.
@@ -153,14 +152,30 @@ fn report_state(members: &PoolMembers, snap: &PoolSnapshot, reported: &mut Optio
     }
 }
 
-/// Applies the `KinferencePool` status when one names the pool.
-async fn write_status(writer: &StatusWriter, members: &PoolMembers, snap: &PoolSnapshot) {
-    let Some(routing) = &snap.routing else { return };
-    let report = report_for(&members.status(), &snap.state);
-    let now = k8s_openapi::jiff::Timestamp::now();
-    if let Err(e) = writer.apply(&routing.name, &report, now).await {
-        tracing::warn!(pool = %members.name(), kinference_pool = %routing.name, error = %e,
-            reason = e.metric_label(), "writing the KinferencePool status failed");
+/// Applies the `KinferencePool` status, when one names the pool, on every new snapshot and
+/// every [`STATUS_INTERVAL`].
+async fn write_status(
+    writer: StatusWriter,
+    members: PoolMembers,
+    mut rx: tokio::sync::watch::Receiver<PoolSnapshot>,
+) {
+    let mut tick = tokio::time::interval(STATUS_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            changed = rx.changed() => if changed.is_err() { return },
+            _ = tick.tick() => {}
+        }
+        let snap = rx.borrow_and_update().clone();
+        let Some(routing) = &snap.routing else {
+            continue;
+        };
+        let report = report_for(&members.status(), &snap.state);
+        let now = k8s_openapi::jiff::Timestamp::now();
+        if let Err(e) = writer.apply(&routing.name, &report, now).await {
+            tracing::warn!(pool = %members.name(), kinference_pool = %routing.name, error = %e,
+                reason = e.metric_label(), "writing the KinferencePool status failed");
+        }
     }
 }
 
@@ -222,5 +237,106 @@ pub fn report_for(pool: &PoolStatus, state: &PoolState) -> StatusReport {
         scorable_replicas: i32::try_from(scorable).unwrap_or(i32::MAX),
         predicted_hit_rate: None,
         reported_hit_rate: (queries > 0.0).then(|| hits / queries),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use kinference_proxy::api::{CacheConfigStatus, ReplicaStatus};
+
+    use super::*;
+    use crate::error::PoolError;
+
+    fn replica(url: &str, health: Health, unscorable: Option<&str>) -> ReplicaStatus {
+        ReplicaStatus {
+            url: url.into(),
+            id: "r".into(),
+            dp_ranks: 1,
+            health,
+            last_error: None,
+            scorable: unscorable.is_none(),
+            unscorable_reason: unscorable.map(String::from),
+            cache_config: Some(CacheConfigStatus {
+                block_size: Some(16),
+                hash_algo: Some("sha256".into()),
+                prefix_caching: Some(true),
+            }),
+            events_mode: "discover".into(),
+            events_error: None,
+            prefix_cache_hits: Some(30.0),
+            prefix_cache_queries: Some(100.0),
+            workers: Vec::new(),
+        }
+    }
+
+    fn pool(replicas: Vec<ReplicaStatus>) -> PoolStatus {
+        PoolStatus {
+            name: "p".into(),
+            models: vec!["m".into()],
+            block_size: 16,
+            hash_algo: "sha256".into(),
+            policy: "precise".into(),
+            index_entries: 0,
+            index_blocks: 0,
+            tracked_entries: 0,
+            replicas,
+            discovery: None,
+        }
+    }
+
+    #[test]
+    fn the_report_counts_reachable_and_scorable_replicas() {
+        let p = pool(vec![
+            replica("http://a:1", Health::Up, None),
+            replica("http://b:1", Health::Up, Some("block size 32")),
+            replica("http://c:1", Health::Down, None),
+        ]);
+        let r = report_for(&p, &PoolState::Ready);
+        assert_eq!((r.replicas, r.scorable_replicas), (3, 1));
+        assert!(matches!(r.ready, Verdict::True { .. }), "{r:?}");
+        assert!(
+            matches!(&r.hashing_verified, Verdict::False { message, .. } if message.contains("http://b:1: block size 32")),
+            "{r:?}"
+        );
+        assert_eq!(r.reported_hit_rate, Some(0.3));
+    }
+
+    #[test]
+    fn an_unreadable_or_empty_pool_is_not_ready() {
+        let denied = PoolState::Error(PoolError::Unreachable("refused".into()));
+        let r = report_for(&pool(Vec::new()), &denied);
+        assert!(
+            matches!(&r.ready, Verdict::False { reason, .. } if reason == "SourceUnreadable"),
+            "{r:?}"
+        );
+        let r = report_for(&pool(Vec::new()), &PoolState::Ready);
+        assert!(
+            matches!(&r.ready, Verdict::False { reason, .. } if reason == "NoReplicas"),
+            "{r:?}"
+        );
+        assert!(matches!(r.hashing_verified, Verdict::Unknown { .. }));
+        assert_eq!(r.reported_hit_rate, None);
+    }
+
+    #[test]
+    fn each_target_port_is_a_replica_and_the_pod_source_goes_with_the_first() {
+        let e = Endpoint {
+            ip: std::net::IpAddr::from([10, 0, 0, 5]),
+            urls: vec!["http://10.0.0.5:8000".into(), "http://10.0.0.5:8001".into()],
+            protocol: Default::default(),
+            labels: Default::default(),
+            annotations: Default::default(),
+            events: EventSource::Connect {
+                endpoint: "tcp://10.0.0.5:5557".into(),
+                replay: None,
+                topic: "kv".into(),
+            },
+        };
+        let specs = replica_specs(&e);
+        assert_eq!(specs.len(), 2);
+        let first = specs[0].events.clone().unwrap_or_default();
+        assert_eq!(first.connect.as_deref(), Some("tcp://10.0.0.5:5557"));
+        assert_eq!(first.topic, "kv");
+        assert!(specs[1].events.as_ref().is_some_and(|e| e.discover));
     }
 }
