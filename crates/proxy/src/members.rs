@@ -3,7 +3,8 @@
 //! router runs.
 //!
 //! Invariants: a joiner is subscribed, scraped and discovered exactly as a configured replica
-//! is, and is routable as soon as it is in the set. A leaver is taken out of the set first (no
+//! is, and is routable as soon as it is in the set; one whose event stream cannot be
+//! subscribed is still routed, by load (the error is in its `events_error`). A leaver is taken out of the set first (no
 //! new request can pick it), then its tasks are stopped and awaited, then its index entries and
 //! the policy's records of it are cleared before [`PoolMembers::leave`] returns; requests
 //! already routed to it finish on their own reference. Changes to one pool are made by one
@@ -27,11 +28,6 @@ pub struct PoolMembers {
 pub enum JoinError {
     #[error("member {key:?}: {errors}")]
     Config { key: String, errors: ConfigErrors },
-    #[error("member {key:?}: KV-event subscription: {source}")]
-    Events {
-        key: String,
-        source: kinference_events::EventsError,
-    },
     #[error("the router is shutting down")]
     ShutDown,
 }
@@ -89,12 +85,12 @@ impl PoolMembers {
             let replica = Arc::new(Replica::new(self.fleet.new_replica_id(), spec, rr));
             let discover = match subscribe(&plane, &replica, spec, rr.events.as_ref()).await {
                 Ok(d) => d,
-                Err(source) => {
-                    self.stop(member).await;
-                    return Err(JoinError::Events {
-                        key: key.to_owned(),
-                        source,
-                    });
+                Err(e) => {
+                    // Routed by load without events rather than not at all.
+                    tracing::warn!(pool = %self.pool.name, member = key, replica = %replica.url(),
+                        error = %e, "KV-event subscription failed; routing the replica by load");
+                    replica.info.lock().events_error = Some(e.to_string());
+                    false
                 }
             };
             if discover {
