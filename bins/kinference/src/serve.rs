@@ -205,8 +205,8 @@ impl ServeArgs {
                 if self.has_pool_flags() {
                     anyhow::bail!(
                         "--model, --tokenizer, --block-size, --hash-algo, --hash-seed, --policy, \
-                         --session-header and --replica describe a file-less fleet; with --config \
-                         put pools in the file"
+                         --session-header, --replica and --inference-pool describe a file-less \
+                         fleet; with --config put pools in the file"
                     );
                 }
                 let text = std::fs::read_to_string(path)
