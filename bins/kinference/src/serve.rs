@@ -135,6 +135,20 @@ impl ServeArgs {
             .unwrap_or_else(|| "default".to_owned())
     }
 
+    /// Whether the replicas come from exactly one of --replica and --inference-pool.
+    fn source_problem(&self) -> Option<String> {
+        match (self.replicas.is_empty(), &self.inference_pool) {
+            (true, None) => Some(
+                "at least one --replica URL[,events=...] (or --inference-pool NAME) is required"
+                    .to_owned(),
+            ),
+            (false, Some(_)) => {
+                Some("--replica and --inference-pool exclude each other: pick one".to_owned())
+            }
+            _ => None,
+        }
+    }
+
     /// The one pool described by flags; every missing or bad flag is reported at once.
     fn pool(&self) -> anyhow::Result<PoolConfig> {
         let mut problems = Vec::new();
@@ -147,15 +161,7 @@ impl ServeArgs {
         if self.block_size.is_none() {
             problems.push("--block-size N is required (the replicas' --block-size)".to_owned());
         }
-        match (self.replicas.is_empty(), &self.inference_pool) {
-            (true, None) => problems.push(
-                "at least one --replica URL[,events=...] (or --inference-pool NAME) is required"
-                    .to_owned(),
-            ),
-            (false, Some(_)) => problems
-                .push("--replica and --inference-pool exclude each other: pick one".to_owned()),
-            _ => {}
-        }
+        problems.extend(self.source_problem());
         let mut replicas = Vec::new();
         for r in &self.replicas {
             match ReplicaSpec::from_flag(r) {

@@ -13,17 +13,17 @@ mod common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use common::router::*;
 use common::*;
 use kinference_k8s::KinferencePool;
 use kinference_proxy::api::ExplainResponse;
-use kinference_proxy::ReplicaSpec;
+use kinference_proxy::{Proxy, ReplicaSpec};
 use kinference_testkit::{metric, sim, WAIT};
 use kube::api::PostParams;
-use kube::Api;
+use kube::{Api, Client};
 
 /// Two routers on one discovered pool: a prefix served through one is found in the index of
 /// the other (both subscribe to every pod's events), and the second request lands on the
@@ -53,45 +53,60 @@ async fn two_routers_route_precisely_through_a_discovered_pool() {
     let (two, t2) = router(&client, &ns, "llama", None).await;
     wait_fleet(&one, &want).await;
     wait_fleet(&two, &want).await;
-    let http = reqwest::Client::new();
-
     for doc in 0..3 {
-        let first = post(
-            &http,
-            one.data_addr(),
-            "/v1/completions",
-            &completion(MODEL, &prompt(doc, "What is a block?")),
-        )
-        .await;
-        assert_eq!(first.status, 200, "{}", first.body);
-        let served = first.endpoint.clone().unwrap();
-        let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() / u64::from(BLOCK);
-        // The second router learns the blocks from the replica's events, as the first does.
-        two.wait_until(WAIT, |s| {
-            s.pools[0]
-                .replicas
-                .iter()
-                .find(|r| r.url == served)
-                .is_some_and(|r| r.workers[0].index_entries as u64 >= blocks)
-        })
-        .await
-        .unwrap_or_else(|s| panic!("the second router never indexed {served}: {s:#?}"));
-        let second_body = completion(MODEL, &prompt(doc, "And what is its hash?"));
-        let explain = post(&http, two.admin_addr(), "/debug/explain", &second_body).await;
-        let explain: ExplainResponse = serde_json::from_str(&explain.body).unwrap();
-        assert_eq!(explain.reason, "cached_prefix", "{explain:#?}");
-        assert_eq!(explain.candidates[0].replica, served, "{explain:#?}");
-        let second = post(&http, two.data_addr(), "/v1/completions", &second_body).await;
-        assert_eq!(second.status, 200, "{}", second.body);
-        assert_eq!(second.endpoint.as_deref(), Some(served.as_str()));
-        let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .unwrap();
-        assert!(cached > 0, "{}", second.body);
+        through_one_then_the_other(&one, &two, doc).await;
     }
+    status_settles(&client, &ns).await;
+    let readyz = one.readiness();
+    assert!(readyz.ready, "{readyz:#?}");
+    let d = one.status().pools[0].discovery.clone().unwrap();
+    assert!(d.synced && d.error.is_none(), "{d:#?}");
+    t1.abort();
+    t2.abort();
+    one.shutdown().await;
+    two.shutdown().await;
+}
 
-    // Both routers apply the same status as one field manager; it settles on the fleet.
-    let api: Api<KinferencePool> = Api::namespaced(client.clone(), &ns);
+/// A prefix served through `one` lands on the same replica, with cached tokens, through `two`.
+async fn through_one_then_the_other(one: &Proxy, two: &Proxy, doc: usize) {
+    let http = reqwest::Client::new();
+    let first = post(
+        &http,
+        one.data_addr(),
+        "/v1/completions",
+        &completion(MODEL, &prompt(doc, "What is a block?")),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let served = first.endpoint.clone().unwrap();
+    let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() / u64::from(BLOCK);
+    // The second router learns the blocks from the replica's events, as the first does.
+    two.wait_until(WAIT, |s| {
+        s.pools[0]
+            .replicas
+            .iter()
+            .find(|r| r.url == served)
+            .is_some_and(|r| r.workers[0].index_entries as u64 >= blocks)
+    })
+    .await
+    .unwrap_or_else(|s| panic!("the second router never indexed {served}: {s:#?}"));
+    let second_body = completion(MODEL, &prompt(doc, "And what is its hash?"));
+    let explain = post(&http, two.admin_addr(), "/debug/explain", &second_body).await;
+    let explain: ExplainResponse = serde_json::from_str(&explain.body).unwrap();
+    assert_eq!(explain.reason, "cached_prefix", "{explain:#?}");
+    assert_eq!(explain.candidates[0].replica, served, "{explain:#?}");
+    let second = post(&http, two.data_addr(), "/v1/completions", &second_body).await;
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(second.endpoint.as_deref(), Some(served.as_str()));
+    let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached > 0, "{}", second.body);
+}
+
+/// Both routers apply the same status as one field manager; it settles on the fleet.
+async fn status_settles(client: &Client, ns: &str) {
+    let api: Api<KinferencePool> = Api::namespaced(client.clone(), ns);
     let status = eventually(WAIT, || async {
         let s = api.get("llama-routing").await.ok()?.status?;
         let ready = s
@@ -103,14 +118,6 @@ async fn two_routers_route_precisely_through_a_discovered_pool() {
     .await
     .expect("the KinferencePool status never showed 3 ready replicas");
     assert_eq!(status.scorable_replicas, Some(3), "{status:#?}");
-    let readyz = one.readiness();
-    assert!(readyz.ready, "{readyz:#?}");
-    let d = one.status().pools[0].discovery.clone().unwrap();
-    assert!(d.synced && d.error.is_none(), "{d:#?}");
-    t1.abort();
-    t2.abort();
-    one.shutdown().await;
-    two.shutdown().await;
 }
 
 /// Scale 4 → 8 → 2 under steady load: no request fails, joiners get traffic, leavers get no
@@ -123,7 +130,6 @@ async fn scale_4_8_2_under_load_fails_no_request() {
     let ns = namespace(&client, "churn").await;
     let mut reps = Replicas::new("127.0.2.1").await;
     create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
-    let ip = |i: usize| format!("127.0.2.{}", i + 1);
     let mut fleet = Vec::new();
     for i in 0..4 {
         fleet.push(reps.at(&ip(i)).await);
@@ -133,17 +139,47 @@ async fn scale_4_8_2_under_load_fails_no_request() {
     wait_fleet(&proxy, &fleet).await;
     let stop = Arc::new(AtomicBool::new(false));
     let (log, load) = steady_load(proxy.data_addr(), 4, stop.clone());
+    scale_up(&client, &ns, &mut reps, &proxy, &log, &mut fleet).await;
+    let gone_at = scale_down(&client, &ns, &proxy, &fleet).await;
+    // Some more traffic on the two that remain.
+    let n = log.lock().unwrap().replies.len();
+    poll_until("traffic after the scale-down", || {
+        log.lock().unwrap().replies.len() >= n + 20
+    })
+    .await;
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        t.await.unwrap();
+    }
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    no_failure_and_no_request_to_a_leaver(&log, &gone_at);
+    wait_fleet(&proxy, &fleet[..2]).await;
+    task.abort();
+    proxy.shutdown().await;
+}
 
-    // 4 → 8: each joiner is in the fleet, then serves a request.
+fn ip(i: usize) -> String {
+    format!("127.0.2.{}", i + 1)
+}
+
+/// 4 → 8, one pod at a time: each joiner is in the fleet, then serves a request.
+async fn scale_up(
+    client: &Client,
+    ns: &str,
+    reps: &mut Replicas,
+    proxy: &Proxy,
+    log: &Mutex<Log>,
+    fleet: &mut Vec<String>,
+) {
     let mut joins = Vec::new();
     let mut traffic = Vec::new();
     for i in 4..8 {
         let url = reps.at(&ip(i)).await;
         let pod = format!("p{i}");
-        create_pod(&client, &ns, &pod, app("vllm")).await;
+        create_pod(client, ns, &pod, app("vllm")).await;
         // From before the status write: the API server's round trip counts.
         let ready_at = Instant::now();
-        set_pod_status(&client, &ns, &pod, &ip(i), true).await;
+        set_pod_status(client, ns, &pod, &ip(i), true).await;
         poll_until("joiner in the fleet", || {
             urls(&proxy.status()).contains(&url)
         })
@@ -162,14 +198,21 @@ async fn scale_4_8_2_under_load_fails_no_request() {
     }
     println!("join: Ready -> in the router's fleet: {}", summary(joins));
     println!("join: Ready -> first request served: {}", summary(traffic));
+}
 
-    // 8 → 2: each leaver is out of the fleet and of the index; nothing starts on it after.
+/// 8 → 2, one pod at a time: each leaver is out of the fleet and of the index; when it was.
+async fn scale_down(
+    client: &Client,
+    ns: &str,
+    proxy: &Proxy,
+    fleet: &[String],
+) -> BTreeMap<String, Instant> {
     let mut leaves = Vec::new();
     let mut gone_at = BTreeMap::new();
     for (i, url) in fleet.iter().enumerate().skip(2) {
         let url = url.clone();
         let deleted_at = Instant::now();
-        delete_pod(&client, &ns, &format!("p{i}")).await;
+        delete_pod(client, ns, &format!("p{i}")).await;
         poll_until("leaver out of the fleet and the index", || {
             let s = proxy.status();
             !urls(&s).contains(&url) && orphan_entries(&s) == 0
@@ -182,17 +225,11 @@ async fn scale_4_8_2_under_load_fails_no_request() {
         "leave: pod deleted -> out of the fleet and the index: {}",
         summary(leaves)
     );
-    // Some more traffic on the two that remain.
-    let n = log.lock().unwrap().replies.len();
-    poll_until("traffic after the scale-down", || {
-        log.lock().unwrap().replies.len() >= n + 20
-    })
-    .await;
-    stop.store(true, Ordering::Relaxed);
-    for t in load {
-        t.await.unwrap();
-    }
-    let log = std::mem::take(&mut *log.lock().unwrap());
+    gone_at
+}
+
+/// Every request succeeded, and none started on a replica after it left.
+fn no_failure_and_no_request_to_a_leaver(log: &Log, gone_at: &BTreeMap<String, Instant>) {
     let failed: Vec<_> = log.replies.iter().filter(|(_, s, _)| *s != 200).collect();
     println!(
         "churn: {} requests, {} failed, {} transport errors",
@@ -213,9 +250,6 @@ async fn scale_4_8_2_under_load_fails_no_request() {
             );
         }
     }
-    wait_fleet(&proxy, &fleet[..2]).await;
-    task.abort();
-    proxy.shutdown().await;
 }
 
 /// A pod turning NotReady gets no new requests; a pod whose IP changes is followed to it.
@@ -274,7 +308,34 @@ async fn rbac_denied_is_reported_and_other_pools_serve() {
     let static_url = format!("http://{}", other.addr);
     let nobody = as_user(&kc, "kinference-router-nobody").await;
     let (proxy, task) = router(&nobody, &ns, "llama", Some(ReplicaSpec::new(&static_url))).await;
+    denial_reported(&proxy, &ns).await;
+    denial_on_the_admin_port(&proxy).await;
 
+    // The static pool beside it serves; the discovered one answers 503, not a panic.
+    let http = reqwest::Client::new();
+    let ok = post(
+        &http,
+        proxy.data_addr(),
+        "/v1/completions",
+        &completion("static", "hi"),
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{}", ok.body);
+    let none = post(
+        &http,
+        proxy.data_addr(),
+        "/v1/completions",
+        &completion(MODEL, "hi"),
+    )
+    .await;
+    assert_eq!(none.status, 503, "{}", none.body);
+    assert!(!task.is_finished());
+    task.abort();
+    proxy.shutdown().await;
+}
+
+/// `/debug/replicas` names the missing permission.
+async fn denial_reported(proxy: &Proxy, ns: &str) {
     // The pool's own error outranks the others once it is in (the watches fail in any order).
     let s = proxy
         .wait_until(WAIT, |s| {
@@ -298,7 +359,10 @@ async fn rbac_denied_is_reported_and_other_pools_serve() {
     );
     assert_eq!(d.error_kind.as_deref(), Some("forbidden"));
     assert!(s.pools[0].replicas.is_empty());
+}
 
+/// `/readyz` is 503 and says why; the metrics carry the reason.
+async fn denial_on_the_admin_port(proxy: &Proxy) {
     let http = reqwest::Client::new();
     let readyz = http
         .get(format!("http://{}/readyz", proxy.admin_addr()))
@@ -327,25 +391,4 @@ async fn rbac_denied_is_reported_and_other_pools_serve() {
         metric(&page, "kinference_pool_discovery_ok{pool=\"tiny\"}"),
         0.0
     );
-
-    // The static pool beside it serves; the discovered one answers 503, not a panic.
-    let ok = post(
-        &http,
-        proxy.data_addr(),
-        "/v1/completions",
-        &completion("static", "hi"),
-    )
-    .await;
-    assert_eq!(ok.status, 200, "{}", ok.body);
-    let none = post(
-        &http,
-        proxy.data_addr(),
-        "/v1/completions",
-        &completion(MODEL, "hi"),
-    )
-    .await;
-    assert_eq!(none.status, 503, "{}", none.body);
-    assert!(!task.is_finished());
-    task.abort();
-    proxy.shutdown().await;
 }

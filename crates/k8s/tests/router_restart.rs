@@ -9,12 +9,14 @@
 
 mod common;
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::router::*;
 use common::*;
+use kinference_proxy::Proxy;
 use kinference_testkit::WAIT;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -37,7 +39,41 @@ async fn routing_survives_an_api_server_restart() {
     let stop = Arc::new(AtomicBool::new(false));
     let (log, load) = steady_load(proxy.data_addr(), 2, stop.clone());
 
-    testenv_cmd(&script, "apiserver-stop", &dir);
+    let served_during = outage(&script, &dir, &proxy, &log).await;
+    wait_fleet(&proxy, &[a.clone(), b.clone()]).await;
+    testenv_cmd(&script, "apiserver-start", &dir);
+    let started = Instant::now();
+
+    // Changes made after the restart reach the same router.
+    let client = admin(&kc).await;
+    let c = reps.at("127.0.5.3").await;
+    set_pod_status(&client, &ns, "b", "127.0.5.2", false).await;
+    ready_pod(&client, &ns, "c", "127.0.5.3").await;
+    followed(&proxy, &[a, c]).await;
+    println!(
+        "kube-apiserver down 10 s: {served_during} requests routed meanwhile; after it came back, \
+         changes followed in {:.2} s",
+        started.elapsed().as_secs_f64()
+    );
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        t.await.unwrap();
+    }
+    let log = std::mem::take(&mut *log.lock().unwrap());
+    let failed: Vec<_> = log.replies.iter().filter(|(_, s, _)| *s != 200).collect();
+    assert!(
+        failed.is_empty() && log.errors.is_empty(),
+        "{failed:?} {:?}",
+        log.errors
+    );
+    task.abort();
+    proxy.shutdown().await;
+}
+
+/// Stops the API server, waits until the router reports it, and keeps it down for 10 s;
+/// returns the requests served meanwhile.
+async fn outage(script: &PathBuf, dir: &str, proxy: &Proxy, log: &Mutex<Log>) -> usize {
+    testenv_cmd(script, "apiserver-stop", dir);
     proxy
         .wait_until(WAIT, |s| {
             s.pools[0]
@@ -56,20 +92,16 @@ async fn routing_survives_an_api_server_restart() {
         served_during > 0,
         "nothing was routed while the API server was down"
     );
-    wait_fleet(&proxy, &[a.clone(), b.clone()]).await;
-    testenv_cmd(&script, "apiserver-start", &dir);
-    let started = Instant::now();
+    served_during
+}
 
-    // Changes made after the restart reach the same router.
-    let client = admin(&kc).await;
-    let c = reps.at("127.0.5.3").await;
-    set_pod_status(&client, &ns, "b", "127.0.5.2", false).await;
-    ready_pod(&client, &ns, "c", "127.0.5.3").await;
+/// Waits (at most 60 s) until the fleet is `want` and the pool is readable again.
+async fn followed(proxy: &Proxy, want: &[String]) {
     let s = proxy
         .wait_until(Duration::from_secs(60), |s| {
             let mut have = urls(s);
             have.sort();
-            have == [a.clone(), c.clone()]
+            have == want
                 && s.pools[0]
                     .discovery
                     .as_ref()
@@ -77,23 +109,5 @@ async fn routing_survives_an_api_server_restart() {
         })
         .await
         .unwrap_or_else(|s| panic!("no recovery within 60 s: {s:#?}"));
-    println!(
-        "kube-apiserver down 10 s: {served_during} requests routed meanwhile; after it came back, \
-         changes followed in {:.2} s",
-        started.elapsed().as_secs_f64()
-    );
     assert!(s.pools[0].discovery.as_ref().unwrap().synced);
-    stop.store(true, Ordering::Relaxed);
-    for t in load {
-        t.await.unwrap();
-    }
-    let log = std::mem::take(&mut *log.lock().unwrap());
-    let failed: Vec<_> = log.replies.iter().filter(|(_, s, _)| *s != 200).collect();
-    assert!(
-        failed.is_empty() && log.errors.is_empty(),
-        "{failed:?} {:?}",
-        log.errors
-    );
-    task.abort();
-    proxy.shutdown().await;
 }

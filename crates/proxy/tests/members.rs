@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use futures_util::StreamExt;
 use kinference_proxy::{Config, InferencePoolRef, PoolConfig, PoolMembers, Proxy};
+use kinference_sim_server::Server;
 use kinference_testkit::sim::{self, replica_with_events};
 use kinference_testkit::{tokenizer_dir, WAIT};
 use serde_json::{json, Value};
@@ -58,14 +59,33 @@ async fn post(proxy: &Proxy, body: &Value) -> (u16, Option<String>) {
     (status, endpoint)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leaver_finishes_its_requests_and_leaves_the_index_at_once() {
+/// Replicas with KV events: `a` generates in real time, `b` fast.
+async fn replicas() -> (Server, Server) {
     let mut slow = sim::config(MODEL, 600, 32, 1.0);
     slow.kv_events = Some(sim::events_on_port_zero());
-    let a = sim::start(slow).await;
     let mut fast = sim::config(MODEL, 600, 32, 1000.0);
     fast.kv_events = Some(sim::events_on_port_zero());
-    let b = sim::start(fast).await;
+    (sim::start(slow).await, sim::start(fast).await)
+}
+
+/// Reads a stream to its end (at most 60 s).
+async fn read_to_end(
+    mut stream: impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin,
+    mut text: String,
+) -> String {
+    let rest = tokio::time::timeout(Duration::from_secs(60), async {
+        while let Some(chunk) = stream.next().await {
+            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
+        }
+    })
+    .await;
+    assert!(rest.is_ok(), "the request on the leaver never finished");
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaver_finishes_its_requests_and_leaves_the_index_at_once() {
+    let (a, b) = replicas().await;
     let (url_a, url_b) = (format!("http://{}", a.addr), format!("http://{}", b.addr));
     let (proxy, members) = discovered_router().await;
     assert!(proxy.status().pools[0].replicas.is_empty());
@@ -103,7 +123,7 @@ async fn a_leaver_finishes_its_requests_and_leaves_the_index_at_once() {
         .unwrap();
     assert_eq!(resp.status().as_u16(), 200);
     let mut stream = resp.bytes_stream();
-    let mut text = String::from_utf8(stream.next().await.unwrap().unwrap().to_vec()).unwrap();
+    let text = String::from_utf8(stream.next().await.unwrap().unwrap().to_vec()).unwrap();
     members.join("b", &[replica_with_events(&b)]).await.unwrap();
     assert_eq!(proxy.in_flight(), 1, "the request on a is running");
     assert!(members.leave("a").await);
@@ -121,13 +141,7 @@ async fn a_leaver_finishes_its_requests_and_leaves_the_index_at_once() {
         .await;
         assert_eq!((status, served.as_deref()), (200, Some(url_b.as_str())));
     }
-    let rest = tokio::time::timeout(Duration::from_secs(60), async {
-        while let Some(chunk) = stream.next().await {
-            text.push_str(&String::from_utf8_lossy(&chunk.unwrap()));
-        }
-    })
-    .await;
-    assert!(rest.is_ok(), "the request on the leaver never finished");
+    let text = read_to_end(stream, text).await;
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     assert!(!text.contains("\"error\""), "{text}");
     proxy.shutdown().await;
