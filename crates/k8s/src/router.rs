@@ -18,6 +18,7 @@ use kinference_proxy::{EventsSpec, PoolMembers, ReplicaSpec};
 use kube::Client;
 use tokio::task::JoinHandle;
 
+use crate::crd::Hashing;
 use crate::snapshot::{diff_endpoints, Endpoint, EventSource, PoolSnapshot, PoolState};
 use crate::status::{StatusReport, StatusWriter, Verdict};
 use crate::watch::{PoolWatcher, WatchConfig};
@@ -170,7 +171,7 @@ async fn write_status(
         let Some(routing) = &snap.routing else {
             continue;
         };
-        let report = report_for(&members.status(), &snap.state);
+        let report = report_for(&members.status(), &snap.state, Some(&routing.spec.hashing));
         let now = k8s_openapi::jiff::Timestamp::now();
         if let Err(e) = writer.apply(&routing.name, &report, now).await {
             tracing::warn!(pool = %members.name(), kinference_pool = %routing.name, error = %e,
@@ -179,8 +180,31 @@ async fn write_status(
     }
 }
 
-/// The status report for a pool as the router sees it (pure).
-pub fn report_for(pool: &PoolStatus, state: &PoolState) -> StatusReport {
+/// Why the `KinferencePool`'s hashing is not the one the router hashes with, if it is not.
+fn hashing_differs(pool: &PoolStatus, declared: &Hashing) -> Option<String> {
+    let mut why = Vec::new();
+    if declared.block_size != pool.block_size {
+        why.push(format!(
+            "spec.hashing.blockSize is {}, the router's pool uses {}",
+            declared.block_size, pool.block_size
+        ));
+    }
+    if declared.algorithm != pool.hash_algo {
+        why.push(format!(
+            "spec.hashing.algorithm is {}, the router's pool uses {}",
+            declared.algorithm, pool.hash_algo
+        ));
+    }
+    (!why.is_empty()).then(|| why.join("; "))
+}
+
+/// The status report for a pool as the router sees it (pure); `declared` is the hashing the
+/// `KinferencePool` says the pods run with.
+pub fn report_for(
+    pool: &PoolStatus,
+    state: &PoolState,
+    declared: Option<&Hashing>,
+) -> StatusReport {
     let total = pool.replicas.len();
     let up = pool.replicas.iter().filter(|r| r.health != Health::Down);
     let scorable = up.clone().filter(|r| r.scorable).count();
@@ -208,7 +232,13 @@ pub fn report_for(pool: &PoolStatus, state: &PoolState) -> StatusReport {
         .iter()
         .filter_map(|r| Some(format!("{}: {}", r.url, r.unscorable_reason.as_ref()?)))
         .collect();
-    let hashing_verified = if !unscorable.is_empty() {
+    let config_differs = declared.and_then(|d| hashing_differs(pool, d));
+    let hashing_verified = if let Some(why) = config_differs {
+        Verdict::False {
+            reason: "RouterConfigDiffers".into(),
+            message: why,
+        }
+    } else if !unscorable.is_empty() {
         Verdict::False {
             reason: "HashMismatch".into(),
             message: unscorable.join("; "),
@@ -291,7 +321,7 @@ mod tests {
             replica("http://b:1", Health::Up, Some("block size 32")),
             replica("http://c:1", Health::Down, None),
         ]);
-        let r = report_for(&p, &PoolState::Ready);
+        let r = report_for(&p, &PoolState::Ready, None);
         assert_eq!((r.replicas, r.scorable_replicas), (3, 1));
         assert!(matches!(r.ready, Verdict::True { .. }), "{r:?}");
         assert!(
@@ -304,18 +334,40 @@ mod tests {
     #[test]
     fn an_unreadable_or_empty_pool_is_not_ready() {
         let denied = PoolState::Error(PoolError::Unreachable("refused".into()));
-        let r = report_for(&pool(Vec::new()), &denied);
+        let r = report_for(&pool(Vec::new()), &denied, None);
         assert!(
             matches!(&r.ready, Verdict::False { reason, .. } if reason == "SourceUnreadable"),
             "{r:?}"
         );
-        let r = report_for(&pool(Vec::new()), &PoolState::Ready);
+        let r = report_for(&pool(Vec::new()), &PoolState::Ready, None);
         assert!(
             matches!(&r.ready, Verdict::False { reason, .. } if reason == "NoReplicas"),
             "{r:?}"
         );
         assert!(matches!(r.hashing_verified, Verdict::Unknown { .. }));
         assert_eq!(r.reported_hit_rate, None);
+    }
+
+    #[test]
+    fn a_declared_hashing_other_than_the_routers_is_reported() {
+        let p = pool(vec![replica("http://a:1", Health::Up, None)]);
+        let same = Hashing {
+            block_size: 16,
+            algorithm: "sha256".into(),
+            seed: None,
+        };
+        let r = report_for(&p, &PoolState::Ready, Some(&same));
+        assert!(matches!(r.hashing_verified, Verdict::True { .. }), "{r:?}");
+        let other = Hashing {
+            block_size: 32,
+            ..same
+        };
+        let r = report_for(&p, &PoolState::Ready, Some(&other));
+        assert!(
+            matches!(&r.hashing_verified, Verdict::False { reason, message }
+                if reason == "RouterConfigDiffers" && message.contains("blockSize is 32")),
+            "{r:?}"
+        );
     }
 
     #[test]

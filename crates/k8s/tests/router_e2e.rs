@@ -109,14 +109,16 @@ async fn status_settles(client: &Client, ns: &str) {
     let api: Api<KinferencePool> = Api::namespaced(client.clone(), ns);
     let status = eventually(WAIT, || async {
         let s = api.get("llama-routing").await.ok()?.status?;
-        let ready = s
-            .conditions
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.status == "True");
-        (ready && s.replicas == Some(3)).then_some(s)
+        let holds = |ty: &str| {
+            s.conditions
+                .iter()
+                .any(|c| c.type_ == ty && c.status == "True")
+        };
+        // The spec's hashing is the router's, and the pods report the same cache config.
+        (holds("Ready") && holds("HashingVerified") && s.replicas == Some(3)).then_some(s)
     })
     .await
-    .expect("the KinferencePool status never showed 3 ready replicas");
+    .expect("the KinferencePool status never showed 3 ready replicas with verified hashing");
     assert_eq!(status.scorable_replicas, Some(3), "{status:#?}");
 }
 
