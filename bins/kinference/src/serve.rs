@@ -282,10 +282,14 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     rt.block_on(async move {
         let proxy = Proxy::start(cfg).await?;
         let discovery = discover(&proxy, kubeconfig.as_deref(), &namespace).await?;
-        proxy.run_until(shutdown_signal()).await;
-        for task in discovery {
-            task.abort();
-        }
+        // Discovery stops first, so that no replica joins a router that is shutting down.
+        let stop_discovery = async move {
+            shutdown_signal().await;
+            for task in discovery {
+                task.abort();
+            }
+        };
+        proxy.run_until(stop_discovery).await;
         Ok(())
     })
 }
