@@ -145,7 +145,7 @@ fn report_state(members: &PoolMembers, snap: &PoolSnapshot, reported: &mut Optio
             if reported.as_deref() != Some(&message) {
                 tracing::error!(pool = %members.name(), namespace = %snap.namespace,
                     inference_pool = %snap.pool, error = %message, kept = snap.endpoints.len(),
-                    "InferencePool cannot be read; routing on the replicas last read");
+                    "InferencePool cannot be read; routing goes on over the `kept` replicas last read");
                 *reported = Some(message.clone());
             }
             members.set_source_state(Some((e.metric_label(), message)));
