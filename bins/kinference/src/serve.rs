@@ -280,8 +280,15 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
+        let mut cfg = cfg;
+        let client = kube_client(&cfg, kubeconfig.as_deref()).await?;
+        if let Some(client) = &client {
+            // A KinferencePool naming a pool's InferencePool wins over the flags and the file.
+            kinference_k8s::settings::apply_to_pools(client, &mut cfg.pools, &namespace).await;
+            cfg.check()?;
+        }
         let proxy = Proxy::start(cfg).await?;
-        let discovery = discover(&proxy, kubeconfig.as_deref(), &namespace).await?;
+        let discovery = discover(&proxy, client, &namespace);
         // Discovery stops first, so that no replica joins a router that is shutting down.
         let stop_discovery = async move {
             shutdown_signal().await;
@@ -294,26 +301,37 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     })
 }
 
-/// Starts following the InferencePool of every discovered pool (none: nothing to do).
-async fn discover(
-    proxy: &Proxy,
+/// A Kubernetes client when some pool is discovered from an InferencePool.
+async fn kube_client(
+    cfg: &Config,
     kubeconfig: Option<&std::path::Path>,
-    namespace: &str,
-) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
-    let pools = proxy.discovered_pools();
-    if pools.is_empty() {
-        return Ok(Vec::new());
+) -> anyhow::Result<Option<kinference_k8s::Client>> {
+    if cfg.pools.iter().all(|p| p.inference_pool.is_none()) {
+        return Ok(None);
     }
     let client = kinference_k8s::client(kubeconfig)
         .await
         .context("connecting to Kubernetes for the InferencePools")?;
-    Ok(pools
+    Ok(Some(client))
+}
+
+/// Starts following the InferencePool of every discovered pool (none: nothing to do).
+fn discover(
+    proxy: &Proxy,
+    client: Option<kinference_k8s::Client>,
+    namespace: &str,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let Some(client) = client else {
+        return Vec::new();
+    };
+    proxy
+        .discovered_pools()
         .into_iter()
         .map(|members| {
             tracing::info!(pool = %members.name(), inference_pool = %members.source().name, "following InferencePool");
             kinference_k8s::router::spawn_pool(client.clone(), members, namespace)
         })
-        .collect())
+        .collect()
 }
 
 /// Ctrl-C, or SIGTERM on Unix (what Kubernetes sends).

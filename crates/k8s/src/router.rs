@@ -48,10 +48,12 @@ pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
     let status = tokio::spawn(write_status(writer, members.clone(), rx.clone()));
     let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
     let mut reported: Option<String> = None;
+    let mut generation = None;
     loop {
         let snap = rx.borrow_and_update().clone();
         apply(&members, &mut held, &snap).await;
         report_state(&members, &snap, &mut reported);
+        note_spec_change(&members, &snap, &mut generation);
         if rx.changed().await.is_err() {
             break;
         }
@@ -129,6 +131,18 @@ fn events_spec(source: &EventSource) -> EventsSpec {
     }
 }
 
+/// Logs a `KinferencePool` spec that changed after the router started: its policy, tokenizer
+/// and hashing were applied at start ([`crate::settings`]) and need a restart to change.
+fn note_spec_change(members: &PoolMembers, snap: &PoolSnapshot, seen: &mut Option<i64>) {
+    let Some(r) = &snap.routing else { return };
+    let Some(g) = r.generation else { return };
+    if seen.is_some_and(|s| s != g) {
+        tracing::warn!(pool = %members.name(), kinference_pool = %r.name, generation = g,
+            "the KinferencePool's spec changed; its policy, tokenizer and hashing apply when the router restarts");
+    }
+    *seen = Some(g);
+}
+
 /// Tells the router whether the pool can be read, logging each change once.
 fn report_state(members: &PoolMembers, snap: &PoolSnapshot, reported: &mut Option<String>) {
     match &snap.state {
@@ -195,7 +209,12 @@ fn hashing_differs(pool: &PoolStatus, declared: &Hashing) -> Option<String> {
             declared.algorithm, pool.hash_algo
         ));
     }
-    (!why.is_empty()).then(|| why.join("; "))
+    (!why.is_empty()).then(|| {
+        format!(
+            "{}; the router applies the KinferencePool's spec at start: restart it",
+            why.join("; ")
+        )
+    })
 }
 
 /// The status report for a pool as the router sees it (pure); `declared` is the hashing the

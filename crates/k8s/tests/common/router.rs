@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use kinference_k8s::crd::{Hashing, PoolRef, TokenizerSource};
+use kinference_k8s::crd::{Hashing, PolicyWeights, PoolRef, RoutingPolicy, TokenizerSource};
 use kinference_k8s::KinferencePoolSpec;
 use kinference_proxy::api::{Health, ReplicasResponse};
 use kinference_proxy::{Config, InferencePoolRef, PoolConfig, Proxy, ReplicaSpec};
@@ -73,18 +73,34 @@ pub async fn router(
     pool: &str,
     static_replica: Option<ReplicaSpec>,
 ) -> (Proxy, JoinHandle<()>) {
-    let mut p = PoolConfig::new(MODEL, tokenizer_dir(), BLOCK);
-    p.policy = kinference_proxy::parse_policy("{kind: precise, speculative_ttl_ms: 0}").unwrap();
-    p.inference_pool = Some(InferencePoolRef {
-        namespace: Some(ns.to_owned()),
-        name: pool.to_owned(),
-    });
-    let mut pools = vec![p];
+    let mut pools = vec![discovered(ns, pool, BLOCK)];
     if let Some(r) = static_replica {
         let mut s = PoolConfig::new("static", tokenizer_dir(), BLOCK);
         s.replicas = vec![r];
         pools.push(s);
     }
+    start_router(client, ns, pools).await
+}
+
+/// The router's settings for a pool discovered from the InferencePool `ns/pool`.
+pub fn discovered(ns: &str, pool: &str, block: u32) -> PoolConfig {
+    let mut p = PoolConfig::new(MODEL, tokenizer_dir(), block);
+    p.policy = kinference_proxy::parse_policy("{kind: precise, speculative_ttl_ms: 0}").unwrap();
+    p.inference_pool = Some(InferencePoolRef {
+        namespace: Some(ns.to_owned()),
+        name: pool.to_owned(),
+    });
+    p
+}
+
+/// Starts a router as `kinference serve` does: the KinferencePools' settings applied, then
+/// the first pool followed with `client`.
+pub async fn start_router(
+    client: &Client,
+    ns: &str,
+    mut pools: Vec<PoolConfig>,
+) -> (Proxy, JoinHandle<()>) {
+    kinference_k8s::settings::apply_to_pools(client, &mut pools, ns).await;
     let mut cfg = Config::new(pools);
     cfg.listen = "127.0.0.1:0".into();
     cfg.admin = "127.0.0.1:0".into();
@@ -183,14 +199,21 @@ pub fn routing_spec(pool: &str) -> KinferencePoolSpec {
         pool_ref: PoolRef { name: pool.into() },
         models: vec![MODEL.into()],
         tokenizer: TokenizerSource {
-            path: "/tokenizer".into(),
+            path: tokenizer_dir().display().to_string(),
         },
         hashing: Hashing {
             block_size: BLOCK,
             algorithm: "sha256".into(),
             seed: None,
         },
-        policy: Default::default(),
+        // What the router's own settings say too (see `router`).
+        policy: RoutingPolicy {
+            weights: Some(PolicyWeights {
+                speculative_ttl_ms: Some(0),
+                ..PolicyWeights::default()
+            }),
+            ..RoutingPolicy::default()
+        },
         events: Default::default(),
     }
 }
