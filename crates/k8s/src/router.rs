@@ -176,6 +176,7 @@ async fn write_status(
 ) {
     let mut tick = tokio::time::interval(STATUS_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut window = HitWindow::default();
     loop {
         tokio::select! {
             changed = rx.changed() => if changed.is_err() { return },
@@ -185,12 +186,41 @@ async fn write_status(
         let Some(routing) = &snap.routing else {
             continue;
         };
-        let report = report_for(&members.status(), &snap.state, Some(&routing.spec.hashing));
+        let pool = members.status();
+        let predicted = window.update(&pool);
+        let mut report = report_for(&pool, &snap.state, Some(&routing.spec.hashing));
+        report.predicted_hit_rate = predicted;
         let now = k8s_openapi::jiff::Timestamp::now();
         if let Err(e) = writer.apply(&routing.name, &report, now).await {
             tracing::warn!(pool = %members.name(), kinference_pool = %routing.name, error = %e,
                 reason = e.metric_label(), "writing the KinferencePool status failed");
         }
+    }
+}
+
+/// The predicted hit rate over the status window: tokens the policy expected cached / prompt
+/// tokens routed, between two status writes. A window without routed tokens keeps the last
+/// rate, so an idle pool does not flap to "unknown".
+#[derive(Clone, Debug, Default)]
+pub struct HitWindow {
+    /// (routed prompt tokens, predicted cached tokens) at the previous write; since start
+    /// before the first.
+    last: (u64, u64),
+    rate: Option<f64>,
+}
+
+impl HitWindow {
+    /// Moves the window to `pool`'s counters and returns the rate over it.
+    pub fn update(&mut self, pool: &PoolStatus) -> Option<f64> {
+        let now = (pool.routed_prompt_tokens, pool.predicted_cached_tokens);
+        let routed = now.0.saturating_sub(self.last.0);
+        let predicted = now.1.saturating_sub(self.last.1);
+        self.last = now;
+        if routed > 0 {
+            // Token counts per window are far below 2^52: exact as f64.
+            self.rate = Some(predicted as f64 / routed as f64);
+        }
+        self.rate
     }
 }
 
@@ -329,8 +359,22 @@ mod tests {
             index_blocks: 0,
             tracked_entries: 0,
             replicas,
+            routed_prompt_tokens: 0,
+            predicted_cached_tokens: 0,
             discovery: None,
         }
+    }
+
+    #[test]
+    fn the_predicted_hit_rate_is_over_the_window_and_kept_while_idle() {
+        let mut p = pool(Vec::new());
+        let mut w = HitWindow::default();
+        assert_eq!(w.update(&p), None);
+        (p.routed_prompt_tokens, p.predicted_cached_tokens) = (1000, 250);
+        assert_eq!(w.update(&p), Some(0.25));
+        (p.routed_prompt_tokens, p.predicted_cached_tokens) = (2000, 1150);
+        assert_eq!(w.update(&p), Some(0.9));
+        assert_eq!(w.update(&p), Some(0.9));
     }
 
     #[test]

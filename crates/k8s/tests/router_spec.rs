@@ -89,3 +89,65 @@ async fn condition_is(api: &Api<KinferencePool>, ty: &str, status: &str) -> Kinf
     .await
     .unwrap_or_else(|| panic!("the KinferencePool's {ty} never became {status}"))
 }
+
+/// `status.hitRate.predicted` is the router's: prompt tokens the policy expected cached over
+/// prompt tokens routed, in the status window. A prefix sent twice is predicted cached the
+/// second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_predicted_hit_rate_is_reported() {
+    let Some(kc) = kubeconfig() else { return };
+    let client = admin(&kc).await;
+    install_crds(&client).await;
+    let ns = namespace(&client, "predicted").await;
+    let mut reps = Replicas::new("127.0.6.11").await;
+    create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
+    let api = Api::<KinferencePool>::namespaced(client.clone(), &ns);
+    api.create(
+        &PostParams::default(),
+        &KinferencePool::new("llama-routing", routing_spec("llama")),
+    )
+    .await
+    .unwrap();
+    let want = vec![reps.at("127.0.6.11").await];
+    ready_pod(&client, &ns, "a", "127.0.6.11").await;
+    let (proxy, task) = start_router(&client, &ns, vec![discovered(&ns, "llama", BLOCK)]).await;
+    wait_fleet(&proxy, &want).await;
+    let http = reqwest::Client::new();
+    let send = |q: &'static str| completion(MODEL, &prompt(7, q));
+    let first = post(&http, proxy.data_addr(), "/v1/completions", &send("Why?")).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() / u64::from(BLOCK);
+    let s = proxy
+        .wait_until(WAIT, |s| {
+            s.pools[0].replicas[0].workers[0].index_entries as u64 >= blocks
+        })
+        .await
+        .unwrap_or_else(|s| panic!("the prefix was never indexed: {s:#?}"));
+    let n1 = s.pools[0].routed_prompt_tokens;
+    assert_eq!(s.pools[0].predicted_cached_tokens, 0, "{s:#?}");
+    let second = post(&http, proxy.data_addr(), "/v1/completions", &send("How?")).await;
+    assert_eq!(second.status, 200, "{}", second.body);
+    let s = proxy.status();
+    let (n, p2) = (
+        s.pools[0].routed_prompt_tokens,
+        s.pools[0].predicted_cached_tokens,
+    );
+    assert!(p2 >= blocks * u64::from(BLOCK), "{s:#?}");
+    // The status window holds the second request, with or without the first.
+    let windows = [p2 as f64 / (n - n1) as f64, p2 as f64 / n as f64];
+    let status = eventually(WAIT, || async {
+        let s = api.get("llama-routing").await.ok()?.status?;
+        s.hit_rate.as_ref()?.predicted.filter(|p| *p > 0.0)?;
+        Some(s)
+    })
+    .await
+    .expect("status.hitRate.predicted was never above 0");
+    let predicted = status.hit_rate.and_then(|h| h.predicted).unwrap();
+    eprintln!("predicted hit rate {predicted}; windows {windows:?}; tokens {n1} then {n}, {p2} predicted cached");
+    assert!(
+        windows.iter().any(|w| (w - predicted).abs() < 1e-4),
+        "predicted {predicted}, windows {windows:?}"
+    );
+    task.abort();
+    proxy.shutdown().await;
+}

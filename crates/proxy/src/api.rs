@@ -116,6 +116,13 @@ pub struct PoolStatus {
     /// Router-side entries (speculative, or the approximate policy's record).
     pub tracked_entries: usize,
     pub replicas: Vec<ReplicaStatus>,
+    /// Prompt tokens of the requests the policy placed and a replica took, since start.
+    #[serde(default)]
+    pub routed_prompt_tokens: u64,
+    /// Of those, the tokens the policy expected the chosen replica to have cached: over a
+    /// window, `predicted_cached_tokens / routed_prompt_tokens` is the predicted hit rate.
+    #[serde(default)]
+    pub predicted_cached_tokens: u64,
     /// Where a discovered pool's replicas come from, and whether it can be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery: Option<DiscoveryStatus>,

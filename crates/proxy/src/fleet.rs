@@ -162,6 +162,10 @@ pub(crate) struct Pool {
     /// Why the pool's replicas cannot be read now (a discovered pool only).
     pub discovery: Mutex<DiscoveryState>,
     tickets: AtomicU64,
+    /// Prompt tokens of the requests the policy placed and a replica took, and of those the
+    /// tokens the policy expected the chosen replica to have cached (the predicted hit rate).
+    routed_prompt_tokens: AtomicU64,
+    predicted_cached_tokens: AtomicU64,
 }
 
 /// One member of a discovered pool: its replicas (one per target port) and their tasks.
@@ -196,6 +200,25 @@ impl Pool {
     /// The ticket the next request will take.
     pub fn peek_ticket(&self) -> u64 {
         self.tickets.load(Ordering::Relaxed)
+    }
+
+    /// Counts a placed request that a replica took: its prompt tokens and the ones the policy
+    /// expected that replica to have cached.
+    pub fn count_routed(&self, prompt_tokens: u32, predicted_cached: u32) {
+        self.routed_prompt_tokens
+            .fetch_add(u64::from(prompt_tokens), Ordering::Relaxed);
+        self.predicted_cached_tokens.fetch_add(
+            u64::from(predicted_cached.min(prompt_tokens)),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// (prompt tokens routed, of those predicted cached) since start.
+    pub fn routed_tokens(&self) -> (u64, u64) {
+        (
+            self.routed_prompt_tokens.load(Ordering::Relaxed),
+            self.predicted_cached_tokens.load(Ordering::Relaxed),
+        )
     }
 
     /// The replicas requests may go to now.
@@ -556,6 +579,8 @@ async fn build_pool(
         members: Mutex::new(BTreeMap::new()),
         discovery: Mutex::new(DiscoveryState::default()),
         tickets: AtomicU64::new(0),
+        routed_prompt_tokens: AtomicU64::new(0),
+        predicted_cached_tokens: AtomicU64::new(0),
     };
     Ok(Built { pool, discover })
 }

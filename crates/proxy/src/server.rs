@@ -85,6 +85,9 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     };
     match forward(&fleet, &upstream, fwd, &routed.targets).await {
         Ok((resp, used)) => {
+            if let Some(t) = routed.targets.get(used) {
+                p.pool.count_routed(p.prompt_tokens, t.predicted_cached);
+            }
             decide::landed(&fleet, &routed, used);
             resp
         }

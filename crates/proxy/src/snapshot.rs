@@ -24,6 +24,7 @@ pub(crate) fn take(fleet: &Fleet) -> ReplicasResponse {
 pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
     let (index_entries, index_blocks) = pool.index_size();
     let plane = pool.plane();
+    let (routed_prompt_tokens, predicted_cached_tokens) = pool.routed_tokens();
     PoolStatus {
         name: pool.name.clone(),
         models: pool.models.clone(),
@@ -38,6 +39,8 @@ pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
             .iter()
             .map(|r| replica(pool, plane.as_deref(), r, now))
             .collect(),
+        routed_prompt_tokens,
+        predicted_cached_tokens,
         discovery: discovery(pool),
     }
 }
