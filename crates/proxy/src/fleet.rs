@@ -122,6 +122,23 @@ impl Fleet {
         ReplicaId(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
+    /// Removes the metric series of replicas no longer in any pool (left, or changed address).
+    /// A request still running on a leaver may write its series again when it ends; the next
+    /// call removes them, so churn never grows `/metrics` without bound.
+    pub fn forget_left_replicas(&self) -> usize {
+        let live: std::collections::HashSet<String> = self
+            .pools
+            .iter()
+            .flat_map(|p| {
+                p.replicas()
+                    .iter()
+                    .map(|r| r.url().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.metrics.forget_replicas(&|url| live.contains(url))
+    }
+
     /// The position of `pool` in [`Fleet::pools`].
     pub fn pool_index(&self, pool: &Pool) -> Option<usize> {
         self.pools.iter().position(|p| std::ptr::eq(&**p, pool))

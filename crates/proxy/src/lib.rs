@@ -102,6 +102,22 @@ use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
 
+/// With discovered pools: removes, every 10 s, the metric series a leaver's request that was
+/// still running wrote after the leave (the leave itself removes the rest).
+fn spawn_series_sweep(fleet: &Arc<Fleet>) -> Option<JoinHandle<()>> {
+    if fleet.pools.iter().all(|p| p.source.is_none()) {
+        return None;
+    }
+    let f = fleet.clone();
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            f.forget_left_replicas();
+        }
+    }))
+}
+
 /// A running router: both ports served, background tasks running.
 #[derive(Debug)]
 pub struct Proxy {
@@ -185,6 +201,7 @@ impl Proxy {
                 }
             }));
         }
+        background.extend(spawn_series_sweep(&fleet));
         let stop = CancellationToken::new();
         let cut = CancellationToken::new();
         let data_addr = data.local_addr()?;

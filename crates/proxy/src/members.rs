@@ -3,12 +3,13 @@
 //! router runs.
 //!
 //! Invariants: a joiner is subscribed, scraped and discovered exactly as a configured replica
-//! is, and is routable as soon as it is in the set; one whose event stream cannot be
-//! subscribed is still routed, by load (the error is in its `events_error`). A leaver is taken out of the set first (no
-//! new request can pick it), then its tasks are stopped and awaited, then its index entries and
-//! the policy's records of it are cleared before [`PoolMembers::leave`] returns; requests
-//! already routed to it finish on their own reference. Changes to one pool are made by one
-//! caller at a time (the pool's discovery loop); other pools are never touched.
+//! is, and is routable as soon as it is in the set; one whose event stream cannot be subscribed
+//! is still routed, by load (the error is in its `events_error`). A leaver is taken out of the
+//! set first (no new request can pick it), then its tasks are stopped and awaited, then its
+//! index entries, the policy's records of it and its metric series are cleared before
+//! [`PoolMembers::leave`] returns; requests already routed to it finish on their own reference
+//! (series they write afterwards are swept later). Changes to one pool are made by one caller
+//! at a time (the pool's discovery loop); other pools are never touched.
 
 use std::sync::Arc;
 
@@ -127,6 +128,7 @@ impl PoolMembers {
         let ids: Vec<_> = member.replicas.iter().map(|r| r.id).collect();
         self.pool.remove_replicas(&ids);
         self.stop(member).await;
+        self.fleet.forget_left_replicas();
         tracing::info!(pool = %self.pool.name, member = key, "replica left");
         self.fleet.bump();
         true

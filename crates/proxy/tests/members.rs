@@ -146,3 +146,54 @@ async fn a_leaver_finishes_its_requests_and_leaves_the_index_at_once() {
     assert!(!text.contains("\"error\""), "{text}");
     proxy.shutdown().await;
 }
+
+/// Per-replica series of `/metrics` (requests, durations, upstream failures) of a member that
+/// left are gone when `leave` returns: churn through distinct replicas leaves the page the size
+/// it had with one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leavers_metric_series_are_removed() {
+    let (proxy, members) = discovered_router().await;
+    let metrics = || async {
+        reqwest::get(format!("http://{}/metrics", proxy.admin_addr()))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    let mut sizes = Vec::new();
+    let mut left: Vec<String> = Vec::new();
+    for i in 0..4 {
+        let mut cfg = sim::config(MODEL, 600, 32, 1000.0);
+        cfg.kv_events = Some(sim::events_on_port_zero());
+        let server = sim::start(cfg).await;
+        let url = format!("http://{}", server.addr);
+        let key = format!("m{i}");
+        members
+            .join(&key, &[replica_with_events(&server)])
+            .await
+            .unwrap();
+        let body = json!({"model": MODEL, "prompt": format!("{} {i}", prompt(0)), "max_tokens": 1});
+        assert_eq!(post(&proxy, &body).await, (200, Some(url.clone())));
+        let page = metrics().await;
+        let ours = page.lines().filter(|l| l.contains(&url)).count();
+        assert!(ours > 0, "no series of {url}:\n{page}");
+        assert!(
+            left.iter().all(|u| !page.contains(u.as_str())),
+            "a leaver's series stayed:\n{page}"
+        );
+        sizes.push(page.lines().count());
+        assert!(members.leave(&key).await);
+        let page = metrics().await;
+        assert!(
+            !page.contains(&url),
+            "{url}'s series stayed after it left:\n{page}"
+        );
+        left.push(url);
+    }
+    assert!(
+        sizes.windows(2).all(|w| w[0] == w[1]),
+        "/metrics grew: {sizes:?} lines"
+    );
+    proxy.shutdown().await;
+}
