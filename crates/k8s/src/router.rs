@@ -19,7 +19,9 @@ use kube::Client;
 use tokio::task::JoinHandle;
 
 use crate::crd::Hashing;
-use crate::snapshot::{diff_endpoints, Endpoint, EventSource, PoolSnapshot, PoolState};
+use crate::snapshot::{
+    diff_endpoints, AppProtocol, Endpoint, EventSource, PoolSnapshot, PoolState,
+};
 use crate::status::{StatusReport, StatusWriter, Verdict};
 use crate::watch::{PoolWatcher, WatchConfig};
 
@@ -49,8 +51,20 @@ pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
     let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
     let mut reported: Option<String> = None;
     let mut generation = None;
+    let mut h2c_noted = false;
     loop {
         let snap = rx.borrow_and_update().clone();
+        if !h2c_noted
+            && snap
+                .endpoints
+                .values()
+                .any(|e| e.protocol == AppProtocol::H2c)
+        {
+            // Not implemented: requests to replicas are HTTP/1.1 (what vLLM serves).
+            tracing::warn!(pool = %members.name(), inference_pool = %snap.pool,
+                "spec.appProtocol kubernetes.io/h2c: the router speaks HTTP/1.1 to the pods");
+            h2c_noted = true;
+        }
         apply(&members, &mut held, &snap).await;
         report_state(&members, &snap, &mut reported);
         note_spec_change(&members, &snap, &mut generation);
