@@ -155,10 +155,12 @@ impl ServeArgs {
         if self.models.is_empty() {
             problems.push("--model is required (or --config FILE)".to_owned());
         }
-        if self.tokenizer.is_none() {
+        // A discovered pool may take them from its KinferencePool (checked once it is read).
+        let discovered = self.inference_pool.is_some();
+        if self.tokenizer.is_none() && !discovered {
             problems.push("--tokenizer DIR is required".to_owned());
         }
-        if self.block_size.is_none() {
+        if self.block_size.is_none() && !discovered {
             problems.push("--block-size N is required (the replicas' --block-size)".to_owned());
         }
         problems.extend(self.source_problem());
@@ -259,7 +261,10 @@ impl ServeArgs {
                 r.namespace.get_or_insert_with(|| namespace.clone());
             }
         }
-        cfg.check()?;
+        // Discovered pools are checked once their KinferencePool is applied (`run`).
+        if cfg.pools.iter().all(|p| p.inference_pool.is_none()) {
+            cfg.check()?;
+        }
         Ok(cfg)
     }
 }
@@ -285,7 +290,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         if let Some(client) = &client {
             // A KinferencePool naming a pool's InferencePool wins over the flags and the file.
             kinference_k8s::settings::apply_to_pools(client, &mut cfg.pools, &namespace).await;
-            cfg.check()?;
+            cfg.check().context(
+                "a discovered pool's tokenizer and hashing come from its KinferencePool, \
+                 else from --tokenizer/--block-size or the config file",
+            )?;
         }
         let proxy = Proxy::start(cfg).await?;
         let discovery = discover(&proxy, client, &namespace);
@@ -451,6 +459,20 @@ mod tests {
         .unwrap();
         let err = both.serve.config().unwrap_err().to_string();
         assert!(err.contains("exclude each other"), "{err}");
+    }
+
+    #[test]
+    fn a_discovered_pool_may_leave_tokenizer_and_block_size_to_its_kinference_pool() {
+        let cli =
+            Cli::try_parse_from(["serve", "--model", "M", "--inference-pool", "llama"]).unwrap();
+        let cfg = cli.serve.config().unwrap();
+        assert_eq!(
+            cfg.pools[0].block_size, 0,
+            "filled in from the KinferencePool"
+        );
+        // Still refused once known that nothing fills them in.
+        let err = cfg.check().unwrap_err().to_string();
+        assert!(err.contains("block_size"), "{err}");
     }
 
     #[test]
