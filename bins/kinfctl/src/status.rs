@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use kinference_proxy::api::{
-    ErrorBody, EventStreamStatus, Health, PoolStatus, ReadyResponse, ReplicaStatus,
-    ReplicasResponse, WorkerStatus,
+    DiscoveryStatus, ErrorBody, EventStreamStatus, Health, PoolStatus, ReadyResponse,
+    ReplicaStatus, ReplicasResponse, WorkerStatus,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -182,6 +182,9 @@ fn render_pool(out: &mut String, pool: &PoolStatus) {
         pool.index_blocks,
         pool.tracked_entries
     );
+    if let Some(d) = &pool.discovery {
+        let _ = writeln!(out, "  {}", discovery_line(d));
+    }
     let mut rows = vec![[
         "REPLICA",
         "URL",
@@ -212,6 +215,24 @@ fn render_pool(out: &mut String, pool: &PoolStatus) {
     for n in notes {
         let _ = writeln!(out, "  ! {n}");
     }
+}
+
+/// Where a discovered pool's replicas come from and whether that source can be read now.
+fn discovery_line(d: &DiscoveryStatus) -> String {
+    let state = match (&d.error, d.synced) {
+        (Some(e), synced) => format!(
+            "ERROR ({}): {e}; {}",
+            d.error_kind.as_deref().unwrap_or("unknown"),
+            if synced {
+                "routing goes on over the replicas last read"
+            } else {
+                "never read: no replicas"
+            }
+        ),
+        (None, true) => "synced".to_owned(),
+        (None, false) => "syncing (not read yet)".to_owned(),
+    };
+    format!("discovery {}: {state}", d.source)
 }
 
 fn health_name(h: Health) -> &'static str {
@@ -344,6 +365,33 @@ mod tests {
             vec!["long".to_string(), "x".to_string()],
         ];
         assert_eq!(table(&rows, "  "), "  A     BB\n  long  x\n");
+    }
+
+    #[test]
+    fn a_pools_discovery_state_and_error_are_shown() {
+        let d: DiscoveryStatus = serde_json::from_value(serde_json::json!({
+            "source": "inferencepool/models/llama",
+            "synced": true,
+            "error": "RBAC denied: missing permission to list pods",
+            "error_kind": "forbidden",
+        }))
+        .unwrap();
+        assert_eq!(
+            discovery_line(&d),
+            "discovery inferencepool/models/llama: ERROR (forbidden): RBAC denied: missing \
+             permission to list pods; routing goes on over the replicas last read"
+        );
+        let ok = DiscoveryStatus {
+            error: None,
+            error_kind: None,
+            ..d.clone()
+        };
+        assert_eq!(
+            discovery_line(&ok),
+            "discovery inferencepool/models/llama: synced"
+        );
+        let never = DiscoveryStatus { synced: false, ..d };
+        assert!(discovery_line(&never).ends_with("never read: no replicas"));
     }
 
     #[test]

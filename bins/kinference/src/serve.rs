@@ -2,13 +2,19 @@
 //! see `docs/config.md`) or, for a one-pool fleet, from flags alone; every flag also reads a
 //! `KINFERENCE_*` environment variable. Flags override the file's top-level settings; the pool
 //! flags (`--model`, `--tokenizer`, `--block-size`, `--replica`, ...) describe the one pool of a
-//! file-less fleet and cannot be combined with `--config`.
+//! file-less fleet and cannot be combined with `--config`. On Kubernetes, `--inference-pool`
+//! replaces `--replica`: the pool's replicas are the ready pods of that `InferencePool`
+//! (several pools: `inferencePool:` in the file), read with `--kubeconfig` or, in a pod, its
+//! service account.
 
 use std::path::PathBuf;
 
 use anyhow::Context as _;
 
-use kinference_proxy::{parse_policy, Config, PoolConfig, Proxy, ReplicaSpec};
+use kinference_proxy::{parse_policy, Config, InferencePoolRef, PoolConfig, Proxy, ReplicaSpec};
+
+/// Where a pod's service account says which namespace it runs in.
+const POD_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
 
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -54,6 +60,18 @@ pub struct ServeArgs {
         help = "One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N]. Repeat for each replica (';' separates them in KINFERENCE_REPLICAS)"
     )]
     replicas: Vec<String>,
+    /// One-pool fleet on Kubernetes: the InferencePool whose ready pods are the replicas
+    /// (instead of --replica).
+    #[arg(long, env = "KINFERENCE_INFERENCE_POOL")]
+    inference_pool: Option<String>,
+    /// Kubernetes: kubeconfig file [default: in a pod its service account, else $KUBECONFIG
+    /// or ~/.kube/config].
+    #[arg(long, env = "KINFERENCE_KUBECONFIG")]
+    kubeconfig: Option<PathBuf>,
+    /// Kubernetes: namespace of InferencePools that do not name one [default: the pod's own,
+    /// else "default"].
+    #[arg(long, env = "KINFERENCE_NAMESPACE")]
+    namespace: Option<String>,
 
     /// Upstream connect timeout, ms.
     #[arg(long, env = "KINFERENCE_CONNECT_TIMEOUT_MS")]
@@ -101,6 +119,34 @@ impl ServeArgs {
             || self.session_header.is_some()
             || self.tokenizer_cache_bytes.is_some()
             || !self.replicas.is_empty()
+            || self.inference_pool.is_some()
+    }
+
+    /// The namespace of pools that name none: the flag, the pod's own, or `default`.
+    fn namespace(&self) -> String {
+        self.namespace
+            .clone()
+            .or_else(|| {
+                std::fs::read_to_string(POD_NAMESPACE_FILE)
+                    .ok()
+                    .map(|s| s.trim().to_owned())
+                    .filter(|s| !s.is_empty())
+            })
+            .unwrap_or_else(|| "default".to_owned())
+    }
+
+    /// Whether the replicas come from exactly one of --replica and --inference-pool.
+    fn source_problem(&self) -> Option<String> {
+        match (self.replicas.is_empty(), &self.inference_pool) {
+            (true, None) => Some(
+                "at least one --replica URL[,events=...] (or --inference-pool NAME) is required"
+                    .to_owned(),
+            ),
+            (false, Some(_)) => {
+                Some("--replica and --inference-pool exclude each other: pick one".to_owned())
+            }
+            _ => None,
+        }
     }
 
     /// The one pool described by flags; every missing or bad flag is reported at once.
@@ -109,15 +155,15 @@ impl ServeArgs {
         if self.models.is_empty() {
             problems.push("--model is required (or --config FILE)".to_owned());
         }
-        if self.tokenizer.is_none() {
+        // A discovered pool may take them from its KinferencePool (checked once it is read).
+        let discovered = self.inference_pool.is_some();
+        if self.tokenizer.is_none() && !discovered {
             problems.push("--tokenizer DIR is required".to_owned());
         }
-        if self.block_size.is_none() {
+        if self.block_size.is_none() && !discovered {
             problems.push("--block-size N is required (the replicas' --block-size)".to_owned());
         }
-        if self.replicas.is_empty() {
-            problems.push("at least one --replica URL[,events=...] is required".to_owned());
-        }
+        problems.extend(self.source_problem());
         let mut replicas = Vec::new();
         for r in &self.replicas {
             match ReplicaSpec::from_flag(r) {
@@ -154,6 +200,10 @@ impl ServeArgs {
             pool.tokenizer_cache_bytes = b;
         }
         pool.replicas = replicas;
+        pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {
+            namespace: None,
+            name: name.clone(),
+        });
         Ok(pool)
     }
 
@@ -163,8 +213,8 @@ impl ServeArgs {
                 if self.has_pool_flags() {
                     anyhow::bail!(
                         "--model, --tokenizer, --block-size, --hash-algo, --hash-seed, --policy, \
-                         --session-header and --replica describe a file-less fleet; with --config \
-                         put pools in the file"
+                         --session-header, --replica and --inference-pool describe a file-less \
+                         fleet; with --config put pools in the file"
                     );
                 }
                 let text = std::fs::read_to_string(path)
@@ -205,13 +255,24 @@ impl ServeArgs {
         if self.expose_endpoint_header {
             cfg.expose_endpoint_header = true;
         }
-        cfg.check()?;
+        let namespace = self.namespace();
+        for p in &mut cfg.pools {
+            if let Some(r) = &mut p.inference_pool {
+                r.namespace.get_or_insert_with(|| namespace.clone());
+            }
+        }
+        // Discovered pools are checked once their KinferencePool is applied (`run`).
+        if cfg.pools.iter().all(|p| p.inference_pool.is_none()) {
+            cfg.check()?;
+        }
         Ok(cfg)
     }
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
+    let namespace = args.namespace();
+    let kubeconfig = args.kubeconfig.clone();
     // Requests are served on the proxy's own data-plane threads (`threads`); this runtime only
     // carries the background work (event streams into the index, scrapes, discovery, the admin
     // port). One worker keeps that work from waking a second thread per KV-event batch, which
@@ -224,10 +285,61 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()
         .context("starting the async runtime")?;
     rt.block_on(async move {
+        let mut cfg = cfg;
+        let client = kube_client(&cfg, kubeconfig.as_deref()).await?;
+        if let Some(client) = &client {
+            // A KinferencePool naming a pool's InferencePool wins over the flags and the file.
+            kinference_k8s::settings::apply_to_pools(client, &mut cfg.pools, &namespace).await;
+            cfg.check().context(
+                "a discovered pool's tokenizer and hashing come from its KinferencePool, \
+                 else from --tokenizer/--block-size or the config file",
+            )?;
+        }
         let proxy = Proxy::start(cfg).await?;
-        proxy.run_until(shutdown_signal()).await;
+        let discovery = discover(&proxy, client, &namespace);
+        // Discovery stops first, so that no replica joins a router that is shutting down.
+        let stop_discovery = async move {
+            shutdown_signal().await;
+            for task in discovery {
+                task.abort();
+            }
+        };
+        proxy.run_until(stop_discovery).await;
         Ok(())
     })
+}
+
+/// A Kubernetes client when some pool is discovered from an InferencePool.
+async fn kube_client(
+    cfg: &Config,
+    kubeconfig: Option<&std::path::Path>,
+) -> anyhow::Result<Option<kinference_k8s::Client>> {
+    if cfg.pools.iter().all(|p| p.inference_pool.is_none()) {
+        return Ok(None);
+    }
+    let client = kinference_k8s::client(kubeconfig)
+        .await
+        .context("connecting to Kubernetes for the InferencePools")?;
+    Ok(Some(client))
+}
+
+/// Starts following the InferencePool of every discovered pool (none: nothing to do).
+fn discover(
+    proxy: &Proxy,
+    client: Option<kinference_k8s::Client>,
+    namespace: &str,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let Some(client) = client else {
+        return Vec::new();
+    };
+    proxy
+        .discovered_pools()
+        .into_iter()
+        .map(|members| {
+            tracing::info!(pool = %members.name(), inference_pool = %members.source().name, "following InferencePool");
+            kinference_k8s::router::spawn_pool(client.clone(), members, namespace)
+        })
+        .collect()
 }
 
 /// Ctrl-C, or SIGTERM on Unix (what Kubernetes sends).
@@ -305,6 +417,62 @@ mod tests {
         assert_eq!(pool.policy.name(), "least-load");
         assert_eq!(pool.replicas.len(), 2);
         assert!(pool.replicas[0].events.is_some());
+    }
+
+    #[test]
+    fn an_inference_pool_replaces_the_replica_list() {
+        let cli = Cli::try_parse_from([
+            "serve",
+            "--model",
+            "M",
+            "--tokenizer",
+            &tok(),
+            "--block-size",
+            "16",
+            "--inference-pool",
+            "llama",
+            "--namespace",
+            "models",
+        ])
+        .unwrap();
+        let cfg = cli.serve.config().unwrap();
+        let pool = &cfg.pools[0];
+        assert!(pool.replicas.is_empty());
+        let r = pool.inference_pool.as_ref().unwrap();
+        assert_eq!(
+            (r.namespace.as_deref(), r.name.as_str()),
+            (Some("models"), "llama")
+        );
+        let both = Cli::try_parse_from([
+            "serve",
+            "--model",
+            "M",
+            "--tokenizer",
+            &tok(),
+            "--block-size",
+            "16",
+            "--inference-pool",
+            "llama",
+            "--replica",
+            "http://h:1",
+        ])
+        .unwrap();
+        let err = both.serve.config().unwrap_err().to_string();
+        assert!(err.contains("exclude each other"), "{err}");
+    }
+
+    #[test]
+    fn a_discovered_pool_may_leave_tokenizer_and_block_size_to_its_kinference_pool() {
+        let cli =
+            Cli::try_parse_from(["serve", "--model", "M", "--inference-pool", "llama"]).unwrap();
+        let cfg = cli.serve.config().unwrap();
+        assert_eq!(
+            cfg.pools[0].block_size, 0,
+            "filled in from the KinferencePool"
+        );
+        // Still refused once known that nothing fills them in.
+        let err = cfg.check().unwrap_err().to_string();
+        assert!(err.contains("block_size"), "{err}");
     }
 
     #[test]

@@ -7,6 +7,10 @@
 //!   walks live Kubernetes state.
 //! - [`crd`]: our `kinference.io/v1alpha1` API, generated from these Rust types
 //!   (`kinference crdgen`; the chart's copies are checked against it by a test).
+//! - [`router`]: the router's side, one task per discovered pool applying each snapshot's
+//!   diff to the router's live fleet and writing the `KinferencePool` status.
+//! - [`settings`]: a `KinferencePool`'s policy, tokenizer and hashing applied to its pool at
+//!   the router's start (they win over the router's own settings).
 //! - [`status::StatusWriter`]: the router's report, by server-side apply with one field manager
 //!   (why one, and not a Lease: see that module).
 //!
@@ -31,6 +35,8 @@
 pub mod crd;
 pub mod error;
 pub mod gie;
+pub mod router;
+pub mod settings;
 pub mod snapshot;
 pub mod status;
 pub mod watch;
@@ -38,6 +44,8 @@ pub mod watch;
 pub use crd::{crd_files, crds, KinferencePool, KinferencePoolSpec};
 pub use error::{Access, PoolError};
 pub use gie::InferencePool;
+/// The client type [`client`] returns, for callers without their own `kube` dependency.
+pub use kube::Client;
 pub use snapshot::{
     diff, diff_endpoints, AppProtocol, Endpoint, EventSource, PoolSnapshot, PoolState, Routing,
     SnapshotDiff, ANNOTATION_KV_EVENTS, ANNOTATION_KV_EVENTS_REPLAY,

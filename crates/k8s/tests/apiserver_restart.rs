@@ -9,49 +9,10 @@
 
 mod common;
 
-use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
 use kinference_k8s::{PoolError, PoolState, PoolWatcher, WatchConfig};
-
-fn testenv() -> Option<(PathBuf, String)> {
-    let script = std::env::var_os("KINFERENCE_K8S_TESTENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/k8s-testenv.sh")
-        });
-    let dir = std::env::var("KINFERENCE_K8S_DIR").ok();
-    match (script.exists(), dir) {
-        (true, Some(dir)) => Some((script, dir)),
-        _ => {
-            let msg = format!(
-                "needs KINFERENCE_K8S_DIR and {} to stop and start kube-apiserver",
-                script.display()
-            );
-            if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") {
-                panic!("{REQUIRED_ENV}=1 but this test {msg}");
-            }
-            println!("SKIPPED: {msg}");
-            None
-        }
-    }
-}
-
-fn testenv_cmd(script: &PathBuf, verb: &str, dir: &str) {
-    let out = Command::new("bash")
-        .arg(script)
-        .arg(verb)
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{verb}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_survives_an_api_server_restart() {

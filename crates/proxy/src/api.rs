@@ -91,6 +91,7 @@ impl ReplicasResponse {
                 name: p.name.clone(),
                 healthy_replicas: p.replicas.iter().filter(|r| r.health == Health::Up).count(),
                 replicas: p.replicas.len(),
+                discovery_error: p.discovery.as_ref().and_then(|d| d.error.clone()),
             })
             .collect();
         ReadyResponse {
@@ -115,6 +116,32 @@ pub struct PoolStatus {
     /// Router-side entries (speculative, or the approximate policy's record).
     pub tracked_entries: usize,
     pub replicas: Vec<ReplicaStatus>,
+    /// Prompt tokens of the requests the policy placed and a replica took, since start.
+    #[serde(default)]
+    pub routed_prompt_tokens: u64,
+    /// Of those, the tokens the policy expected the chosen replica to have cached: over a
+    /// window, `predicted_cached_tokens / routed_prompt_tokens` is the predicted hit rate.
+    #[serde(default)]
+    pub predicted_cached_tokens: u64,
+    /// Where a discovered pool's replicas come from, and whether it can be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discovery: Option<DiscoveryStatus>,
+}
+
+/// A discovered pool's source (`PoolStatus::discovery`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DiscoveryStatus {
+    /// `inferencepool/NAMESPACE/NAME`.
+    pub source: String,
+    /// The source was read at least once.
+    pub synced: bool,
+    /// Why it cannot be read now (naming the missing permission or resource), if it cannot;
+    /// routing goes on with the replicas last read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// A stable label for `error` (metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error_kind: Option<String>,
 }
 
 /// Whether a replica answers.
@@ -237,4 +264,7 @@ pub struct PoolReady {
     pub name: String,
     pub healthy_replicas: usize,
     pub replicas: usize,
+    /// A discovered pool whose source cannot be read: why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub discovery_error: Option<String>,
 }

@@ -191,6 +191,20 @@ pub struct PoolConfig {
     pub lora_adapters: BTreeMap<String, String>,
     #[serde(default)]
     pub replicas: Vec<ReplicaSpec>,
+    /// Discover the replicas from a Kubernetes `InferencePool` instead of listing them.
+    #[serde(default, rename = "inferencePool", alias = "inference_pool")]
+    pub inference_pool: Option<InferencePoolRef>,
+}
+
+/// A Kubernetes `InferencePool` (`inference.networking.k8s.io/v1`) whose ready pods are a
+/// pool's replicas.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct InferencePoolRef {
+    /// Defaults to the router's `--namespace` (in a pod: its own).
+    #[serde(default)]
+    pub namespace: Option<String>,
+    pub name: String,
 }
 
 fn default_algo() -> String {
@@ -221,6 +235,7 @@ impl PoolConfig {
             session_header: None,
             lora_adapters: BTreeMap::new(),
             replicas: Vec::new(),
+            inference_pool: None,
         }
     }
 
@@ -763,8 +778,19 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
             );
         }
     }
-    if pool.replicas.is_empty() {
-        errs.push(format!("{path}.replicas"), "at least one replica is needed");
+    match (&pool.inference_pool, pool.replicas.is_empty()) {
+        (None, true) => errs.push(
+            format!("{path}.replicas"),
+            "at least one replica is needed (or an inferencePool to discover them from)",
+        ),
+        (Some(_), false) => errs.push(
+            format!("{path}.inferencePool"),
+            "list replicas or name an inferencePool, not both",
+        ),
+        (Some(r), true) if r.name.is_empty() => {
+            errs.push(format!("{path}.inferencePool.name"), "cannot be empty")
+        }
+        _ => {}
     }
     let mut urls = BTreeSet::new();
     let mut replicas = Vec::with_capacity(pool.replicas.len());
@@ -827,6 +853,52 @@ fn resolve_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) -> Option<Res
         .and_then(|ev| resolve_events(ev, r.dp_ranks, &format!("{path}.events"), errs));
     let endpoint = endpoint?;
     (errs.0.len() == before).then_some(ResolvedReplica { endpoint, events })
+}
+
+/// One replica resolved on its own: a discovered pool's joiner, validated as a configured
+/// replica would be.
+pub(crate) fn resolve_one(r: &ReplicaSpec) -> Result<ResolvedReplica, ConfigErrors> {
+    let mut errs = Errors(Vec::new());
+    match resolve_replica(r, "replica", &mut errs) {
+        Some(rr) if errs.0.is_empty() => Ok(rr),
+        _ => Err(ConfigErrors(errs.0)),
+    }
+}
+
+#[cfg(test)]
+mod inference_pool_tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    fn pool(extra: &str) -> String {
+        let tok = kinference_testkit::tokenizer_dir();
+        format!(
+            "pools:\n  - models: [m]\n    tokenizer: {}\n    block_size: 16\n{extra}",
+            tok.display()
+        )
+    }
+
+    #[test]
+    fn a_pool_names_an_inference_pool_instead_of_replicas() {
+        let cfg = Config::parse(&pool(
+            "    inferencePool: {namespace: models, name: llama}\n",
+        ))
+        .unwrap();
+        cfg.check().unwrap();
+        let r = cfg.pools[0].inference_pool.clone().unwrap();
+        assert_eq!(
+            (r.namespace.as_deref(), r.name.as_str()),
+            (Some("models"), "llama")
+        );
+
+        let both =
+            pool("    inferencePool: {name: llama}\n    replicas: [http://127.0.0.1:8000]\n");
+        let errs = Config::parse(&both).unwrap().validate();
+        assert_eq!(errs[0].path, "pools[0].inferencePool", "{errs:?}");
+        let neither = Config::parse(&pool("")).unwrap().validate();
+        assert!(neither[0].message.contains("inferencePool"), "{neither:?}");
+    }
 }
 
 fn resolve_events(

@@ -193,7 +193,7 @@ pub(crate) fn route<'f>(fleet: &Fleet, prepared: Prepared<'f>) -> Routed<'f> {
         .iter()
         .zip(&decision.scores)
         .filter_map(|(w, s)| {
-            let replica = pool.replica(w.replica)?.clone();
+            let replica = pool.replica(w.replica)?;
             let pin_rank = replica.dp_size() > 1;
             Some(Target {
                 replica,
@@ -228,7 +228,8 @@ pub(crate) fn landed(fleet: &Fleet, routed: &Routed<'_>, used: usize) {
 /// in-flight requests), ties rotated so that they spread.
 pub(crate) fn by_load(pool: &Pool) -> Vec<Target> {
     let ticket = pool.ticket() as usize;
-    let mut rs: Vec<_> = usable(&pool.replicas).collect();
+    let all = pool.replicas();
+    let mut rs: Vec<_> = usable(&all).collect();
     if !rs.is_empty() {
         let n = rs.len();
         rs.rotate_left(ticket % n);
@@ -257,8 +258,9 @@ fn usable(replicas: &[Arc<Replica>]) -> impl Iterator<Item = &Arc<Replica>> {
 fn candidates(pool: &Pool, hashes: &[BlockHash]) -> Vec<Candidate> {
     let matches =
         (pool.uses_index && !hashes.is_empty()).then(|| pool.index.read().longest_prefix(hashes));
-    let mut out = Vec::with_capacity(pool.replicas.len());
-    for r in usable(&pool.replicas) {
+    let all = pool.replicas();
+    let mut out = Vec::with_capacity(all.len());
+    for r in usable(&all) {
         let scorable = r.is_scorable();
         for (rank, w) in r.workers.iter().enumerate() {
             let worker = r.worker(rank);

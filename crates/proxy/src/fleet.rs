@@ -15,8 +15,12 @@
 //!   timeout, client disconnect (the response body, which owns the guard, is dropped).
 //! * The prefill part of a guard is released at most once: at the first response byte, or at
 //!   drop if no byte came.
+//! * A pool's replica set is an immutable `Vec` swapped whole (configured once, or changed by
+//!   discovery through `members`): a leaver is out of the set before its index entries are
+//!   cleared, and requests already routed to it hold their own `Arc` and finish. Replica ids
+//!   are never reused.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,8 +36,8 @@ use tokio::sync::watch;
 
 use crate::api::{CacheConfigStatus, Health, LoadStatus};
 use crate::config::{
-    Config, Endpoint, EventSource, PoolConfig, ReplicaSpec, Resolved, ResolvedPool,
-    ResolvedReplica, Timeouts,
+    Config, Endpoint, EventSource, InferencePoolRef, PoolConfig, ReplicaSpec, Resolved,
+    ResolvedPool, ResolvedReplica, Timeouts,
 };
 use crate::error::{RequestError, StartError};
 use crate::metrics::Metrics;
@@ -61,6 +65,9 @@ pub(crate) struct Fleet {
     pub metrics: Metrics,
     pub upstream: Upstream,
     pub settings: Settings,
+    /// The next [`ReplicaId`] to hand out: ids are never reused, so that a leaver's index
+    /// entries and policy records can never be mistaken for a joiner's.
+    next_id: AtomicU32,
 }
 
 impl Fleet {
@@ -96,14 +103,45 @@ impl Fleet {
         bump(&self.changed);
     }
 
-    /// Router-wide in-flight requests.
+    /// Router-wide in-flight requests (to replicas still in the fleet).
     pub fn in_flight(&self) -> u64 {
         self.pools
             .iter()
-            .flat_map(|p| p.replicas.iter())
-            .flat_map(|r| r.workers.iter())
-            .map(|w| u64::from(w.in_flight.load(Ordering::Relaxed)))
+            .flat_map(|p| p.replicas().iter().cloned().collect::<Vec<_>>())
+            .flat_map(|r| {
+                r.workers
+                    .iter()
+                    .map(|w| u64::from(w.in_flight.load(Ordering::Relaxed)))
+                    .collect::<Vec<_>>()
+            })
             .sum()
+    }
+
+    /// A fresh replica id.
+    pub fn new_replica_id(&self) -> ReplicaId {
+        ReplicaId(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Removes the metric series of replicas no longer in any pool (left, or changed address).
+    /// A request still running on a leaver may write its series again when it ends; the next
+    /// call removes them, so churn never grows `/metrics` without bound.
+    pub fn forget_left_replicas(&self) -> usize {
+        let live: std::collections::HashSet<String> = self
+            .pools
+            .iter()
+            .flat_map(|p| {
+                p.replicas()
+                    .iter()
+                    .map(|r| r.url().to_owned())
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        self.metrics.forget_replicas(&|url| live.contains(url))
+    }
+
+    /// The position of `pool` in [`Fleet::pools`].
+    pub fn pool_index(&self, pool: &Pool) -> Option<usize> {
+        self.pools.iter().position(|p| std::ptr::eq(&**p, pool))
     }
 }
 
@@ -130,8 +168,37 @@ pub(crate) struct Pool {
     pub index: Arc<RwLock<Index>>,
     /// Taken out at shutdown.
     plane: Mutex<Option<Arc<EventPlane>>>,
-    pub replicas: Vec<Arc<Replica>>,
+    /// The replicas requests may go to. Replaced as a whole when the fleet changes, so the
+    /// request path reads it with one short read lock and an `Arc` clone, and a request keeps
+    /// the set it was routed with.
+    replicas: RwLock<Arc<Vec<Arc<Replica>>>>,
+    /// Where a discovered pool's replicas come from; `None` for a configured list.
+    pub source: Option<InferencePoolRef>,
+    /// A discovered pool's members by key (pod name), with their background tasks.
+    pub members: Mutex<BTreeMap<String, Member>>,
+    /// Why the pool's replicas cannot be read now (a discovered pool only).
+    pub discovery: Mutex<DiscoveryState>,
     tickets: AtomicU64,
+    /// Prompt tokens of the requests the policy placed and a replica took, and of those the
+    /// tokens the policy expected the chosen replica to have cached (the predicted hit rate).
+    routed_prompt_tokens: AtomicU64,
+    predicted_cached_tokens: AtomicU64,
+}
+
+/// One member of a discovered pool: its replicas (one per target port) and their tasks.
+#[derive(Debug, Default)]
+pub(crate) struct Member {
+    pub replicas: Vec<Arc<Replica>>,
+    pub tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// Whether a discovered pool's source can be read.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct DiscoveryState {
+    /// Something was read at least once.
+    pub synced: bool,
+    /// (bounded metric label, message naming the fix) while reading fails.
+    pub error: Option<(String, String)>,
 }
 
 impl Pool {
@@ -152,8 +219,52 @@ impl Pool {
         self.tickets.load(Ordering::Relaxed)
     }
 
-    pub fn replica(&self, id: ReplicaId) -> Option<&Arc<Replica>> {
-        self.replicas.iter().find(|r| r.id == id)
+    /// Counts a placed request that a replica took: its prompt tokens and the ones the policy
+    /// expected that replica to have cached.
+    pub fn count_routed(&self, prompt_tokens: u32, predicted_cached: u32) {
+        self.routed_prompt_tokens
+            .fetch_add(u64::from(prompt_tokens), Ordering::Relaxed);
+        self.predicted_cached_tokens.fetch_add(
+            u64::from(predicted_cached.min(prompt_tokens)),
+            Ordering::Relaxed,
+        );
+    }
+
+    /// (prompt tokens routed, of those predicted cached) since start.
+    pub fn routed_tokens(&self) -> (u64, u64) {
+        (
+            self.routed_prompt_tokens.load(Ordering::Relaxed),
+            self.predicted_cached_tokens.load(Ordering::Relaxed),
+        )
+    }
+
+    /// The replicas requests may go to now.
+    pub fn replicas(&self) -> Arc<Vec<Arc<Replica>>> {
+        self.replicas.read().clone()
+    }
+
+    pub fn replica(&self, id: ReplicaId) -> Option<Arc<Replica>> {
+        self.replicas.read().iter().find(|r| r.id == id).cloned()
+    }
+
+    /// Adds replicas to the set requests may go to.
+    pub fn add_replicas(&self, added: &[Arc<Replica>]) {
+        let mut guard = self.replicas.write();
+        let mut next: Vec<Arc<Replica>> = guard.as_ref().clone();
+        next.extend(added.iter().cloned());
+        *guard = Arc::new(next);
+    }
+
+    /// Takes replicas out of the set requests may go to; requests already routed to them
+    /// keep their own references and finish.
+    pub fn remove_replicas(&self, ids: &[ReplicaId]) {
+        let mut guard = self.replicas.write();
+        let next: Vec<Arc<Replica>> = guard
+            .iter()
+            .filter(|r| !ids.contains(&r.id))
+            .cloned()
+            .collect();
+        *guard = Arc::new(next);
     }
 
     /// (entries, distinct blocks) in the index.
@@ -198,7 +309,7 @@ pub(crate) struct Replica {
 }
 
 impl Replica {
-    fn new(id: ReplicaId, spec: &ReplicaSpec, resolved: &ResolvedReplica) -> Self {
+    pub fn new(id: ReplicaId, spec: &ReplicaSpec, resolved: &ResolvedReplica) -> Self {
         let events_mode = match &resolved.events {
             None => "none",
             Some(EventSource::Connect(_)) => "connect",
@@ -415,6 +526,7 @@ pub(crate) async fn build(
         metrics,
         upstream,
         settings,
+        next_id: AtomicU32::new(next_id),
     };
     Ok((fleet, discoveries))
 }
@@ -453,25 +565,11 @@ async fn build_pool(
         let id = ReplicaId(*next_id);
         *next_id += 1;
         let replica = Arc::new(Replica::new(id, spec, &rr));
-        let base = match &rr.events {
-            None => None,
-            Some(EventSource::Discover) => {
-                discover.push(replica.clone());
-                None
-            }
-            Some(EventSource::Connect(a)) => Some(WorkerConfig::connect(id, DpRank(0), a)),
-            Some(EventSource::Bind(a)) => Some(WorkerConfig::bind(id, DpRank(0), a)),
-        };
-        if let Some(base) = base {
-            let mut base = base.with_topic(&replica.topic);
-            if let Some(rep) = spec.events.as_ref().and_then(|e| e.replay.as_deref()) {
-                base = base.with_replay(rep);
-            }
-            let rcfg = ReplicaConfig {
-                base,
-                dp_size: spec.dp_ranks,
-            };
-            plane.add_replica(rcfg).await.map_err(events_error)?;
+        if subscribe(&plane, &replica, spec, rr.events.as_ref())
+            .await
+            .map_err(events_error)?
+        {
+            discover.push(replica.clone());
         }
         replicas.push(replica);
     }
@@ -493,8 +591,40 @@ async fn build_pool(
         session_header: rp.session_header,
         index: plane.index(),
         plane: Mutex::new(Some(Arc::new(plane))),
-        replicas,
+        replicas: RwLock::new(Arc::new(replicas)),
+        source: pc.inference_pool.clone(),
+        members: Mutex::new(BTreeMap::new()),
+        discovery: Mutex::new(DiscoveryState::default()),
         tickets: AtomicU64::new(0),
+        routed_prompt_tokens: AtomicU64::new(0),
+        predicted_cached_tokens: AtomicU64::new(0),
     };
     Ok(Built { pool, discover })
+}
+
+/// Subscribes `replica` to the event stream its spec names explicitly; returns whether its
+/// endpoints are to be discovered instead (`GET /kv_event_sources`, once the fleet runs).
+pub(crate) async fn subscribe(
+    plane: &EventPlane,
+    replica: &Replica,
+    spec: &ReplicaSpec,
+    source: Option<&EventSource>,
+) -> Result<bool, kinference_events::EventsError> {
+    let id = replica.id;
+    let base = match source {
+        None => return Ok(false),
+        Some(EventSource::Discover) => return Ok(true),
+        Some(EventSource::Connect(a)) => WorkerConfig::connect(id, DpRank(0), a),
+        Some(EventSource::Bind(a)) => WorkerConfig::bind(id, DpRank(0), a),
+    };
+    let mut base = base.with_topic(&replica.topic);
+    if let Some(rep) = spec.events.as_ref().and_then(|e| e.replay.as_deref()) {
+        base = base.with_replay(rep);
+    }
+    let rcfg = ReplicaConfig {
+        base,
+        dp_size: spec.dp_ranks,
+    };
+    plane.add_replica(rcfg).await?;
+    Ok(false)
 }

@@ -21,6 +21,7 @@
 //!
 //!  per replica: scraper task (GET /metrics every interval: running, waiting, KV usage,
 //!               vllm:cache_config_info → scorable or not; health)
+//!  discovered pools: PoolMembers handles (join / leave while running; see members.rs)
 //!  per pool:    EventPlane (ZMQ SUB per DP rank → index), policy expiry task
 //!  admin port:  /metrics /healthz /readyz /debug/explain /debug/replicas
 //! ```
@@ -66,6 +67,7 @@ mod upstream;
 // The live fleet and what keeps it current:
 mod discovery;
 mod fleet;
+mod members;
 mod scrape;
 mod snapshot;
 // One request, top down: body → decide → forward; the two ports:
@@ -89,15 +91,32 @@ use tokio_util::sync::CancellationToken;
 
 pub use api::{ReadyResponse, ReplicasResponse};
 pub use config::{
-    parse_policy, Config, ConfigError, ConfigErrors, EventSourceError, EventsSpec, PolicyFlagError,
-    PoolConfig, ReplicaFlagError, ReplicaSpec, UrlError,
+    parse_policy, Config, ConfigError, ConfigErrors, EventSourceError, EventsSpec,
+    InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec, UrlError,
 };
 pub use error::{RequestError, StartError};
+pub use members::{JoinError, PoolMembers};
 
 use crate::admin::AdminState;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
+
+/// With discovered pools: removes, every 10 s, the metric series a leaver's request that was
+/// still running wrote after the leave (the leave itself removes the rest).
+fn spawn_series_sweep(fleet: &Arc<Fleet>) -> Option<JoinHandle<()>> {
+    if fleet.pools.iter().all(|p| p.source.is_none()) {
+        return None;
+    }
+    let f = fleet.clone();
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tick.tick().await;
+            f.forget_left_replicas();
+        }
+    }))
+}
 
 /// A running router: both ports served, background tasks running.
 #[derive(Debug)]
@@ -161,7 +180,7 @@ impl Proxy {
         }
         if let Some(every) = fleet.settings.scrape_interval {
             for pool in &fleet.pools {
-                for r in &pool.replicas {
+                for r in pool.replicas().iter() {
                     background.push(tokio::spawn(scrape::run(
                         fleet.clone(),
                         pool.clone(),
@@ -182,6 +201,7 @@ impl Proxy {
                 }
             }));
         }
+        background.extend(spawn_series_sweep(&fleet));
         let stop = CancellationToken::new();
         let cut = CancellationToken::new();
         let data_addr = data.local_addr()?;
@@ -252,6 +272,16 @@ impl Proxy {
         self.status().readiness()
     }
 
+    /// The pools whose replicas are discovered (`inferencePool` in the configuration), each
+    /// with the handle that changes its membership.
+    pub fn discovered_pools(&self) -> Vec<PoolMembers> {
+        self.fleet
+            .pools
+            .iter()
+            .filter_map(|p| PoolMembers::new(self.fleet.clone(), p.clone()))
+            .collect()
+    }
+
     /// Requests in flight through the router, all pools.
     pub fn in_flight(&self) -> u64 {
         self.fleet.in_flight()
@@ -292,7 +322,7 @@ impl Proxy {
     ) -> Result<WorkerHealth, EventsError> {
         let url = replica_url.trim_end_matches('/');
         let found = self.fleet.pools.iter().find_map(|p| {
-            p.replicas.iter().find(|r| r.url() == url).map(|r| {
+            p.replicas().iter().find(|r| r.url() == url).map(|r| {
                 (
                     p.clone(),
                     kinference_index::WorkerId::new(r.id, DpRank(rank)),
@@ -337,6 +367,9 @@ impl Proxy {
         self.stop.cancel();
         for h in &self.background {
             h.abort();
+        }
+        for pool in &self.fleet.pools {
+            PoolMembers::abort_all(pool);
         }
         let drain = self.fleet.settings.timeouts.drain();
         let deadline = tokio::time::Instant::now() + drain;

@@ -5,10 +5,17 @@
 //! health and load, scorability, index size, KV-event stream health), rendered from the same
 //! fleet snapshot `/debug/replicas` answers, so the two never disagree. Label values are bounded
 //! sets: route names from a fixed list, replica URLs and pool names from the configuration,
-//! status codes, and fixed reason/kind labels — never anything from a request body.
+//! status codes, and fixed reason/kind labels — never anything from a request body. Series
+//! labelled with a replica that left the fleet are removed ([`Metrics::forget_replicas`]), so
+//! discovery churn never makes `/metrics` grow without bound.
 
+use std::collections::HashSet;
 use std::fmt::Write as _;
+use std::hash::Hash;
 use std::sync::Arc;
+
+use parking_lot::{MappedRwLockReadGuard, Mutex};
+use prometheus_client::metrics::family::MetricConstructor;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -68,6 +75,91 @@ pub(crate) struct RouteLabel {
     pub route: &'static str,
 }
 
+/// Label sets that name a replica (empty: the router answered itself).
+pub(crate) trait ReplicaLabel {
+    fn replica(&self) -> &str;
+}
+
+impl ReplicaLabel for RequestLabels {
+    fn replica(&self) -> &str {
+        &self.replica
+    }
+}
+
+impl ReplicaLabel for RouteReplica {
+    fn replica(&self) -> &str {
+        &self.replica
+    }
+}
+
+impl ReplicaLabel for ReplicaKind {
+    fn replica(&self) -> &str {
+        &self.replica
+    }
+}
+
+/// A [`Family`] labelled by replica that remembers its label sets, so that a replica's series
+/// can be removed once it left the fleet (the family itself cannot be walked). The request path
+/// pays one read lock, as before, once a series exists.
+#[derive(Debug)]
+pub(crate) struct ReplicaFamily<S, M, C = fn() -> M> {
+    family: Family<S, M, C>,
+    keys: Arc<Mutex<HashSet<S>>>,
+}
+
+impl<S: Clone, M, C: Clone> Clone for ReplicaFamily<S, M, C> {
+    fn clone(&self) -> Self {
+        ReplicaFamily {
+            family: self.family.clone(),
+            keys: self.keys.clone(),
+        }
+    }
+}
+
+impl<S, M, C> ReplicaFamily<S, M, C>
+where
+    S: Clone + Hash + Eq + ReplicaLabel,
+    C: MetricConstructor<M>,
+{
+    fn new(family: Family<S, M, C>) -> Self {
+        ReplicaFamily {
+            family,
+            keys: Arc::default(),
+        }
+    }
+
+    /// The family, to register.
+    fn family(&self) -> Family<S, M, C>
+    where
+        C: Clone,
+    {
+        self.family.clone()
+    }
+
+    pub fn get_or_create(&self, labels: &S) -> MappedRwLockReadGuard<'_, M> {
+        if let Some(m) = self.family.get(labels) {
+            return m;
+        }
+        self.keys.lock().insert(labels.clone());
+        self.family.get_or_create(labels)
+    }
+
+    /// Removes the series of every replica `keep` rejects; returns how many.
+    fn forget(&self, keep: &dyn Fn(&str) -> bool) -> usize {
+        let mut keys = self.keys.lock();
+        let gone: Vec<S> = keys
+            .iter()
+            .filter(|k| !k.replica().is_empty() && !keep(k.replica()))
+            .cloned()
+            .collect();
+        for k in &gone {
+            keys.remove(k);
+            self.family.remove(k);
+        }
+        gone.len()
+    }
+}
+
 fn latency_histogram() -> Histogram {
     // 0.25 ms .. ~260 s.
     Histogram::new(exponential_buckets(0.000_25, 2.0, 21))
@@ -76,9 +168,9 @@ fn latency_histogram() -> Histogram {
 /// Families updated on the request path. Clones share the same series.
 #[derive(Clone, Debug)]
 pub(crate) struct Metrics {
-    pub requests: Family<RequestLabels, Counter>,
-    pub duration: Family<RouteReplica, Histogram, fn() -> Histogram>,
-    pub first_byte: Family<RouteReplica, Histogram, fn() -> Histogram>,
+    pub requests: ReplicaFamily<RequestLabels, Counter>,
+    pub duration: ReplicaFamily<RouteReplica, Histogram, fn() -> Histogram>,
+    pub first_byte: ReplicaFamily<RouteReplica, Histogram, fn() -> Histogram>,
     pub decisions: Family<DecisionLabels, Counter>,
     /// `kind` = predicted | actual, over requests whose response reported cached tokens.
     pub cached_tokens: Family<PoolKind, Counter>,
@@ -87,7 +179,7 @@ pub(crate) struct Metrics {
     /// `kind` = connect | unavailable.
     pub retries: Family<PoolKind, Counter>,
     pub router_errors: Family<KindLabel, Counter>,
-    pub upstream_failures: Family<ReplicaKind, Counter>,
+    pub upstream_failures: ReplicaFamily<ReplicaKind, Counter>,
     pub client_disconnects: Family<RouteLabel, Counter>,
     pub tokenize_fallbacks: Family<PoolKind, Counter>,
 }
@@ -95,19 +187,28 @@ pub(crate) struct Metrics {
 impl Metrics {
     pub fn new() -> Self {
         Metrics {
-            requests: Family::default(),
-            duration: Family::new_with_constructor(latency_histogram),
-            first_byte: Family::new_with_constructor(latency_histogram),
+            requests: ReplicaFamily::new(Family::default()),
+            duration: ReplicaFamily::new(Family::new_with_constructor(latency_histogram)),
+            first_byte: ReplicaFamily::new(Family::new_with_constructor(latency_histogram)),
             decisions: Family::default(),
             cached_tokens: Family::default(),
             usage_observed: Family::default(),
             prompt_tokens: Family::default(),
             retries: Family::default(),
             router_errors: Family::default(),
-            upstream_failures: Family::default(),
+            upstream_failures: ReplicaFamily::new(Family::default()),
             client_disconnects: Family::default(),
             tokenize_fallbacks: Family::default(),
         }
+    }
+
+    /// Removes the series of replicas `keep` rejects (ones no longer in the fleet); returns
+    /// how many series went.
+    pub fn forget_replicas(&self, keep: &dyn Fn(&str) -> bool) -> usize {
+        self.requests.forget(keep)
+            + self.duration.forget(keep)
+            + self.first_byte.forget(keep)
+            + self.upstream_failures.forget(keep)
     }
 
     /// Registers every family, and a collector rendering the fleet's state from `snapshot`
@@ -117,17 +218,17 @@ impl Metrics {
         r.register(
             "kinference_requests",
             "Requests answered, by route, replica (empty when the router answered) and status",
-            self.requests.clone(),
+            self.requests.family(),
         );
         r.register(
             "kinference_request_duration_seconds",
             "Time from the request to the end of the response body, by route and replica",
-            self.duration.clone(),
+            self.duration.family(),
         );
         r.register(
             "kinference_first_byte_seconds",
             "Time from the request to the first response body byte, by route and replica",
-            self.first_byte.clone(),
+            self.first_byte.family(),
         );
         r.register(
             "kinference_decisions",
@@ -165,7 +266,7 @@ impl Metrics {
         r.register(
             "kinference_upstream_failures",
             "Failures talking to a replica, by kind",
-            self.upstream_failures.clone(),
+            self.upstream_failures.family(),
         );
         r.register(
             "kinference_client_disconnects",
@@ -280,6 +381,8 @@ struct StateSeries {
     ev_unrec: Series,
     ev_resets: Series,
     ev_decode: Series,
+    discovery_ok: Series,
+    discovery_error: Series,
 }
 
 impl StateSeries {
@@ -370,6 +473,14 @@ impl StateSeries {
                 "kinference_event_stream_decode_errors",
                 "Event messages that could not be decoded",
             ),
+            discovery_ok: Series::gauge(
+                "kinference_pool_discovery_ok",
+                "1 while a discovered pool's source (InferencePool, pods) can be read",
+            ),
+            discovery_error: Series::gauge(
+                "kinference_pool_discovery_error",
+                "1 while a discovered pool's source cannot be read, labelled with why",
+            ),
         }
     }
 
@@ -381,6 +492,17 @@ impl StateSeries {
             self.tracked
                 .samples
                 .push((pl(), pool.tracked_entries as f64));
+            if let Some(d) = &pool.discovery {
+                let ok = d.synced && d.error.is_none();
+                self.discovery_ok
+                    .samples
+                    .push((pl(), f64::from(u8::from(ok))));
+                if let Some(kind) = &d.error_kind {
+                    let mut el = pl();
+                    el.push(("reason", kind.clone()));
+                    self.discovery_error.samples.push((el, 1.0));
+                }
+            }
             let mut n_unscorable = 0usize;
             for replica in &pool.replicas {
                 let rl = || {
@@ -469,6 +591,8 @@ impl StateSeries {
             &self.ev_unrec,
             &self.ev_resets,
             &self.ev_decode,
+            &self.discovery_ok,
+            &self.discovery_error,
         ] {
             s.encode(encoder)?;
         }

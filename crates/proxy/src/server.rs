@@ -85,6 +85,9 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     };
     match forward(&fleet, &upstream, fwd, &routed.targets).await {
         Ok((resp, used)) => {
+            if let Some(t) = routed.targets.get(used) {
+                p.pool.count_routed(p.prompt_tokens, t.predicted_cached);
+            }
             decide::landed(&fleet, &routed, used);
             resp
         }
@@ -209,7 +212,11 @@ async fn models(State(Data { fleet, upstream }): State<Data>) -> Response {
         .saturating_add(Duration::from_secs(3));
     let mut tasks = tokio::task::JoinSet::new();
     for pool in &fleet.pools {
-        for r in pool.replicas.iter().filter(|r| r.health() != Health::Down) {
+        for r in pool
+            .replicas()
+            .iter()
+            .filter(|r| r.health() != Health::Down)
+        {
             let (u, r) = (upstream.clone(), r.clone());
             tasks.spawn(async move { u.get(&r.endpoint, "/v1/models", timeout, 4 << 20).await });
         }

@@ -7,7 +7,9 @@
 use kinference_events::{EventPlane, SyncState, WorkerHealth};
 use tokio::time::Instant;
 
-use crate::api::{EventStreamStatus, PoolStatus, ReplicaStatus, ReplicasResponse, WorkerStatus};
+use crate::api::{
+    DiscoveryStatus, EventStreamStatus, PoolStatus, ReplicaStatus, ReplicasResponse, WorkerStatus,
+};
 use crate::fleet::{Fleet, Pool, Replica};
 use crate::scrape::roots_match;
 
@@ -19,9 +21,10 @@ pub(crate) fn take(fleet: &Fleet) -> ReplicasResponse {
     }
 }
 
-fn pool(pool: &Pool, now: Instant) -> PoolStatus {
+pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
     let (index_entries, index_blocks) = pool.index_size();
     let plane = pool.plane();
+    let (routed_prompt_tokens, predicted_cached_tokens) = pool.routed_tokens();
     PoolStatus {
         name: pool.name.clone(),
         models: pool.models.clone(),
@@ -32,11 +35,30 @@ fn pool(pool: &Pool, now: Instant) -> PoolStatus {
         index_blocks,
         tracked_entries: pool.tracked_entries(),
         replicas: pool
-            .replicas
+            .replicas()
             .iter()
             .map(|r| replica(pool, plane.as_deref(), r, now))
             .collect(),
+        routed_prompt_tokens,
+        predicted_cached_tokens,
+        discovery: discovery(pool),
     }
+}
+
+fn discovery(pool: &Pool) -> Option<DiscoveryStatus> {
+    let source = pool.source.as_ref()?;
+    let d = pool.discovery.lock().clone();
+    let (error_kind, error) = d.error.map_or((None, None), |(k, m)| (Some(k), Some(m)));
+    Some(DiscoveryStatus {
+        source: format!(
+            "inferencepool/{}/{}",
+            source.namespace.as_deref().unwrap_or("-"),
+            source.name
+        ),
+        synced: d.synced,
+        error,
+        error_kind,
+    })
 }
 
 fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -> ReplicaStatus {

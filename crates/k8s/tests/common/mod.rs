@@ -6,9 +6,12 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 #![allow(dead_code)]
 
+pub mod router;
+
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::path::PathBuf;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Container, Namespace, Pod, PodSpec};
@@ -251,4 +254,44 @@ pub fn summary(mut xs: Vec<Duration>) -> String {
         ms(at(0.95)),
         ms(xs[xs.len() - 1])
     )
+}
+
+/// The test-environment script and `KINFERENCE_K8S_DIR`, to stop and start kube-apiserver;
+/// `None` (after saying why) when these tests are to be skipped.
+pub fn testenv() -> Option<(PathBuf, String)> {
+    let script = std::env::var_os("KINFERENCE_K8S_TESTENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/k8s-testenv.sh")
+        });
+    let dir = std::env::var("KINFERENCE_K8S_DIR").ok();
+    match (script.exists(), dir) {
+        (true, Some(dir)) => Some((script, dir)),
+        _ => {
+            let msg = format!(
+                "needs KINFERENCE_K8S_DIR and {} to stop and start kube-apiserver",
+                script.display()
+            );
+            if std::env::var(REQUIRED_ENV).as_deref() == Ok("1") {
+                panic!("{REQUIRED_ENV}=1 but this test {msg}");
+            }
+            println!("SKIPPED: {msg}");
+            None
+        }
+    }
+}
+
+/// Runs `scripts/k8s-testenv.sh VERB DIR`; panics with its stderr when it fails.
+pub fn testenv_cmd(script: &PathBuf, verb: &str, dir: &str) {
+    let out = Command::new("bash")
+        .arg(script)
+        .arg(verb)
+        .arg(dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{verb}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
