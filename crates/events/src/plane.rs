@@ -107,8 +107,7 @@ impl EventPlane {
         let mut health = WorkerHealth::new(worker, endpoint.clone());
         let opened = if bind {
             let stream =
-                transport::open_sub(&endpoint, true, &config.topic, self.config.connect_timeout)
-                    .await?;
+                transport::open_sub(&endpoint, true, &config.topic, &self.config.backoff).await?;
             health.local_endpoint = stream.local_endpoint.clone();
             Some(stream)
         } else {

@@ -138,12 +138,7 @@ pub(crate) async fn run(spec: SubscriberSpec, opened: Option<SubStream>) {
 async fn connect(spec: &SubscriberSpec) -> Flow<SubStream> {
     let mut backoff = Backoff::new(spec.plane.backoff.clone(), spec.seed);
     loop {
-        let attempt = transport::open_sub(
-            &spec.endpoint,
-            false,
-            &spec.topic,
-            spec.plane.connect_timeout,
-        );
+        let attempt = transport::open_sub(&spec.endpoint, false, &spec.topic, &spec.plane.backoff);
         let result = tokio::select! {
             biased;
             _ = spec.cancel.cancelled() => return Err(Stop),
@@ -206,6 +201,11 @@ impl Subscriber {
                 self.lost_peer = true;
                 let connected = self.peers > 0;
                 self.spec.health.send_modify(|h| h.connected = connected);
+                None
+            }
+            ReaderEvent::DialFailed => {
+                // Counted, not logged: libzmq redials on its own, with the plane's backoff.
+                self.spec.health.send_modify(|h| h.socket_errors += 1);
                 None
             }
             ReaderEvent::Error(e) => {
@@ -528,8 +528,10 @@ async fn fetch_replay(
     plane: &EventPlaneConfig,
     items: &mut Vec<Result<SeqMsg, WireError>>,
 ) -> Result<(), EventsError> {
-    let mut conn = ReplayConn::connect(endpoint, plane.replay_connect_timeout).await?;
-    conn.request(from).await?;
+    let mut conn = ReplayConn::connect(endpoint)?;
+    tokio::time::timeout(plane.replay_connect_timeout, conn.request(from))
+        .await
+        .map_err(|_| EventsError::Timeout(plane.replay_connect_timeout))??;
     loop {
         let frames = tokio::time::timeout(plane.replay_idle_timeout, conn.recv())
             .await
