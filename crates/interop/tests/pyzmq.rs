@@ -24,6 +24,10 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 const TOPIC: &str = "kv@127.0.0.1@tiny";
 
+/// How long the peer may take to say "ready": importing vLLM (for its msgspec classes) takes
+/// most of a minute on a busy two-core machine.
+const PEER_START: Duration = Duration::from_secs(240);
+
 /// The peer's Python, or `None` (skip) when it is not configured and not required.
 fn python() -> Option<PathBuf> {
     let required = std::env::var("KINFERENCE_ZMQ_PY_REQUIRED").is_ok_and(|v| v == "1");
@@ -70,7 +74,7 @@ impl Peer {
             lines: BufReader::new(stdout).lines(),
             endpoint: String::new(),
         };
-        let first = peer.line(WAIT).await.expect("the peer said nothing");
+        let first = peer.line(PEER_START).await.expect("the peer said nothing");
         peer.endpoint = first
             .strip_prefix("ready ")
             .unwrap_or_else(|| panic!("unexpected first line {first:?}"))
