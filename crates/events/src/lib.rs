@@ -132,6 +132,7 @@ mod error;
 mod health;
 mod plane;
 mod sequencer;
+mod shared;
 pub mod socket;
 mod subscriber;
 #[cfg(feature = "test-util")]
@@ -148,6 +149,7 @@ pub use config::{
 pub use error::EventsError;
 pub use health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};
 pub use plane::{EventPlane, IndexHandle, WriterPause};
+pub use shared::BoundEndpoint;
 pub use writer::Update;
 
 pub use kinference_index::{Index, ReplicaId, WorkerId};

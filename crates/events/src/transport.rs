@@ -30,8 +30,8 @@ pub(crate) enum ReaderEvent {
 
 /// An open SUB socket with its connection monitor.
 pub(crate) struct SubStream {
-    socket: ZmqSocket,
-    monitor: Monitor,
+    pub socket: ZmqSocket,
+    pub monitor: Monitor,
     /// The endpoint actually bound (bind mode).
     pub local_endpoint: Option<String>,
 }
