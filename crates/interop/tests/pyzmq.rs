@@ -327,3 +327,55 @@ async fn a_pyzmq_subscriber_that_connects_decodes_a_binding_simulator() {
     peer.stop().await;
     server.shutdown();
 }
+
+// --- many pyzmq publishers connecting to one bound endpoint ----------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pyzmq_publishers_sharing_one_bound_endpoint_are_told_apart_by_topic() {
+    let Some(py) = python() else { return };
+    let plane = EventPlane::start(EventPlaneConfig::default()).unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", unused_port());
+    let topic = |i: u32| format!("kv@10.0.0.{i}@tiny");
+    let mut workers = Vec::new();
+    for i in 0..3 {
+        let cfg = WorkerConfig::bind(ReplicaId(10 + i), DpRank(0), &endpoint).with_topic(&topic(i));
+        workers.push(plane.add_worker(cfg).await.unwrap());
+    }
+    let mut peers = Vec::new();
+    for (i, n) in [(0u32, 5u64), (1, 7), (2, 9), (9, 4)] {
+        let (t, count, base) = (topic(i), n.to_string(), (10_000 * (i + 1)).to_string());
+        let args = [
+            "pub",
+            "--connect",
+            "--endpoint",
+            &endpoint,
+            "--topic",
+            &t,
+            "--count",
+            &count,
+            "--hash-base",
+            &base,
+        ];
+        peers.push(Peer::start(&py, &args).await);
+    }
+    for (i, w) in workers.iter().enumerate() {
+        let n = [5, 7, 9][i];
+        expect_blocks(&plane, *w, 10_000 * (i as u64 + 1), n).await;
+    }
+    // Topic 9 belongs to no replica: its 4 batches are counted, reported and applied nowhere.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let b = plane.bound_endpoints().await;
+        if b[0].unknown_messages == 4 {
+            assert_eq!(b[0].unknown_topics.get(&topic(9)), Some(&4));
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{b:?}");
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(plane.index().read().len(), 5 + 7 + 9);
+    for p in peers {
+        p.stop().await;
+    }
+    plane.shutdown().await;
+}
