@@ -299,18 +299,16 @@ impl EventPlane {
     }
 
     /// Every bound endpoint with its topics and the messages no worker owned (unknown
-    /// topics), sorted by endpoint.
-    pub async fn bound_endpoints(&self) -> Vec<BoundEndpoint> {
-        let mut seen: Vec<Arc<SharedSub>> = self.bound.lock().await.values().cloned().collect();
-        let private = self.workers.lock();
-        for t in private.values() {
+    /// topics), sorted by bound endpoint. Cheap and lock-light: for metrics and admin pages.
+    pub fn bound_endpoints(&self) -> Vec<BoundEndpoint> {
+        let mut seen: Vec<Arc<SharedSub>> = Vec::new();
+        for t in self.workers.lock().values() {
             if let Some((s, _)) = &t.route {
                 if !seen.iter().any(|x| Arc::ptr_eq(x, s)) {
                     seen.push(s.clone());
                 }
             }
         }
-        drop(private);
         let mut out: Vec<BoundEndpoint> = seen.iter().map(|s| s.stats()).collect();
         out.sort_by(|a, b| a.local_endpoint.cmp(&b.local_endpoint));
         out

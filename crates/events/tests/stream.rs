@@ -326,7 +326,7 @@ async fn replicas_connecting_to_one_bound_endpoint_are_told_apart_by_topic() {
     // The stranger's batches are counted and reported, and went to nobody.
     let deadline = tokio::time::Instant::now() + WAIT;
     let bound = loop {
-        let b = plane.bound_endpoints().await;
+        let b = plane.bound_endpoints();
         if b.first().is_some_and(|b| b.unknown_messages == 2) {
             break b;
         }
@@ -362,13 +362,10 @@ async fn replicas_connecting_to_one_bound_endpoint_are_told_apart_by_topic() {
     }
     // Removing one replica leaves the endpoint to the others; removing all closes it.
     plane.remove_replica(ReplicaId(0)).await.unwrap();
-    assert_eq!(
-        plane.bound_endpoints().await[0].topics,
-        vec![topic(1), topic(2)]
-    );
+    assert_eq!(plane.bound_endpoints()[0].topics, vec![topic(1), topic(2)]);
     plane.remove_replica(ReplicaId(1)).await.unwrap();
     plane.remove_replica(ReplicaId(2)).await.unwrap();
-    assert!(plane.bound_endpoints().await.is_empty());
+    assert!(plane.bound_endpoints().is_empty());
     let again = WorkerConfig::bind(ReplicaId(0), DpRank(0), &endpoint).with_topic(&topic(0));
     plane
         .add_worker(again)

@@ -365,7 +365,7 @@ async fn pyzmq_publishers_sharing_one_bound_endpoint_are_told_apart_by_topic() {
     // Topic 9 belongs to no replica: its 4 batches are counted, reported and applied nowhere.
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let b = plane.bound_endpoints().await;
+        let b = plane.bound_endpoints();
         if b[0].unknown_messages == 4 {
             assert_eq!(b[0].unknown_topics.get(&topic(9)), Some(&4));
             break;

@@ -6,10 +6,13 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use kinference_events::socket::{SocketType, ZmqSocket};
 use kinference_proxy::{Config, EventsSpec, PoolConfig, Proxy, ReplicaSpec};
 use kinference_sim_server::{KvEventsConfig, Server};
-use kinference_testkit::{loopback, sim, tokenizer_dir, unused_port, WAIT};
-use serde_json::json;
+use kinference_testkit::{loopback, metric, sim, tokenizer_dir, unused_port, WAIT};
+use kinference_vllm::events::codec::encode_batch;
+use kinference_vllm::{BlockStored, HashValue, KvEvent, KvEventBatch};
+use serde_json::{json, Value};
 
 const REPLICAS: usize = 3;
 
@@ -30,6 +33,71 @@ async fn cached_blocks(server: &Server) -> usize {
         .inspect(|e| e.block_pool().cached_blocks().len())
         .await
         .unwrap()
+}
+
+/// A publisher under a topic no replica has: counted on /metrics and listed on
+/// /debug/replicas, applied nowhere.
+async fn unknown_topics_are_reported(proxy: &Proxy, endpoint: &str) {
+    let entries_before = index_entries(proxy).await;
+    // An XPUB is a PUB on the wire that also shows when the subscription has arrived.
+    let mut stranger = ZmqSocket::new(SocketType::XPUB).unwrap();
+    stranger.connect(endpoint).unwrap();
+    let sub = tokio::time::timeout(WAIT, stranger.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(sub[0].first(), Some(&1), "{sub:?}");
+    let payload = encode_batch(&stored_batch());
+    for seq in 0u64..3 {
+        let frames: [&[u8]; 3] = [b"kv@stranger@tiny", &seq.to_be_bytes(), &payload];
+        stranger.send(&frames).await.unwrap();
+    }
+    let series = format!(
+        "kinference_event_endpoint_unknown_topic_messages_total{{endpoint=\"{endpoint}\",pool=\"tiny\"}}"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let page = get(proxy, "/metrics").await;
+        if page.contains("kinference_event_endpoint_unknown_topic_messages")
+            && metric(&page, &series) == 3.0
+        {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{series} never reached 3:\n{page}"
+        );
+        tokio::task::yield_now().await;
+    }
+    let replicas: Value = serde_json::from_str(&get(proxy, "/debug/replicas").await).unwrap();
+    let ep = &replicas["pools"][0]["event_endpoints"][0];
+    assert_eq!(ep["unknown_topics"]["kv@stranger@tiny"], 3, "{ep}");
+    assert_eq!(ep["topics"].as_array().unwrap().len(), REPLICAS, "{ep}");
+    assert_eq!(index_entries(proxy).await, entries_before);
+}
+
+fn stored_batch() -> KvEventBatch {
+    KvEventBatch {
+        ts: 0.0,
+        events: vec![KvEvent::BlockStored(BlockStored {
+            block_hashes: vec![HashValue::Int(424_242)],
+            token_ids: vec![1; 16],
+            block_size: 16,
+            medium: Some("GPU".into()),
+            ..BlockStored::default()
+        })],
+        data_parallel_rank: Some(0),
+    }
+}
+
+async fn get(proxy: &Proxy, path: &str) -> String {
+    let url = format!("http://{}{path}", proxy.admin_addr());
+    reqwest::get(&url).await.unwrap().text().await.unwrap()
+}
+
+async fn index_entries(proxy: &Proxy) -> u64 {
+    let replicas: Value = serde_json::from_str(&get(proxy, "/debug/replicas").await).unwrap();
+    replicas["pools"][0]["index_entries"].as_u64().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -107,6 +175,7 @@ async fn replicas_connecting_before_the_router_binds_are_indexed_by_topic() {
         // The batches of the request served before the router listened came by replay.
         assert!(h.replays_succeeded >= 1 && h.resets == 0, "{h:?}");
     }
+    unknown_topics_are_reported(&proxy, &router_events).await;
     proxy.shutdown().await;
     for s in sims {
         s.shutdown();

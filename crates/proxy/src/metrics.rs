@@ -280,6 +280,7 @@ struct StateSeries {
     ev_unrec: Series,
     ev_resets: Series,
     ev_decode: Series,
+    ev_unknown: Series,
 }
 
 impl StateSeries {
@@ -370,6 +371,10 @@ impl StateSeries {
                 "kinference_event_stream_decode_errors",
                 "Event messages that could not be decoded",
             ),
+            ev_unknown: Series::counter(
+                "kinference_event_endpoint_unknown_topic_messages",
+                "KV-event messages at a bound endpoint under a topic no replica is configured with (dropped)",
+            ),
         }
     }
 
@@ -402,6 +407,13 @@ impl StateSeries {
                 }
             }
             self.unscorable.samples.push((pl(), n_unscorable as f64));
+            for ep in &pool.event_endpoints {
+                let mut el = pl();
+                el.push(("endpoint", ep.endpoint.clone()));
+                self.ev_unknown
+                    .samples
+                    .push((el, ep.unknown_topic_messages as f64));
+            }
         }
     }
 
@@ -468,6 +480,7 @@ impl StateSeries {
             &self.ev_replays_ok,
             &self.ev_unrec,
             &self.ev_resets,
+            &self.ev_unknown,
             &self.ev_decode,
         ] {
             s.encode(encoder)?;

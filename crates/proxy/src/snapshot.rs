@@ -7,7 +7,10 @@
 use kinference_events::{EventPlane, SyncState, WorkerHealth};
 use tokio::time::Instant;
 
-use crate::api::{EventStreamStatus, PoolStatus, ReplicaStatus, ReplicasResponse, WorkerStatus};
+use crate::api::{
+    EventEndpointStatus, EventStreamStatus, PoolStatus, ReplicaStatus, ReplicasResponse,
+    WorkerStatus,
+};
 use crate::fleet::{Fleet, Pool, Replica};
 use crate::scrape::roots_match;
 
@@ -36,7 +39,22 @@ fn pool(pool: &Pool, now: Instant) -> PoolStatus {
             .iter()
             .map(|r| replica(pool, plane.as_deref(), r, now))
             .collect(),
+        event_endpoints: plane.as_deref().map(event_endpoints).unwrap_or_default(),
     }
+}
+
+fn event_endpoints(plane: &EventPlane) -> Vec<EventEndpointStatus> {
+    plane
+        .bound_endpoints()
+        .into_iter()
+        .map(|b| EventEndpointStatus {
+            endpoint: b.endpoint,
+            local_endpoint: b.local_endpoint,
+            topics: b.topics,
+            unknown_topic_messages: b.unknown_messages,
+            unknown_topics: b.unknown_topics,
+        })
+        .collect()
 }
 
 fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -> ReplicaStatus {
