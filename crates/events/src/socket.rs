@@ -9,14 +9,17 @@
 //!   *before* the retry, so a signal arriving meanwhile is never lost.
 //! - A socket is used by one task at a time (`&mut self`): libzmq sockets are not thread-safe,
 //!   and a send processing commands could otherwise swallow the wake a receiver waits for.
-//! - All sockets share one process-wide context (one libzmq I/O thread), which is never
-//!   terminated, so dropping a socket never blocks; linger is 0 (vLLM closes with linger 0).
+//! - Sockets live in process-wide contexts that are never terminated, so dropping a socket
+//!   never blocks; linger is 0 (vLLM closes with linger 0). libzmq caps a context at 1023
+//!   sockets (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise), so a new context (one
+//!   more libzmq I/O thread) is opened whenever the open ones are full: a router subscribed
+//!   to a thousand replicas needs about three thousand sockets (SUB and its monitor pair).
 //! - Listeners get libzmq's `SO_REUSEADDR`, so a restarted process rebinds its ports at once
 //!   even with earlier connections in `TIME_WAIT`.
 
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
@@ -54,9 +57,34 @@ impl From<SocketError> for crate::EventsError {
     }
 }
 
-fn context() -> &'static zmq::Context {
-    static CONTEXT: OnceLock<zmq::Context> = OnceLock::new();
-    CONTEXT.get_or_init(zmq::Context::new)
+/// Sockets per context: below libzmq's default cap of 1023, with room for a socket, its
+/// monitor and the monitor's peer to land in the same context (inproc needs that).
+const SOCKETS_PER_CONTEXT: usize = 1000;
+const LARGEST_GROUP: usize = 3;
+
+/// A context and how many sockets are open in it.
+#[derive(Clone)]
+struct Slot {
+    ctx: zmq::Context,
+    live: Arc<AtomicUsize>,
+}
+
+/// A context with room for a group of up to [`LARGEST_GROUP`] sockets.
+fn context_with_room() -> Slot {
+    static SLOTS: OnceLock<Mutex<Vec<Slot>>> = OnceLock::new();
+    let slots = SLOTS.get_or_init(|| Mutex::new(Vec::new()));
+    // Plain data; a panic elsewhere cannot leave the list inconsistent.
+    let mut slots = slots.lock().unwrap_or_else(|e| e.into_inner());
+    let room = |s: &&Slot| s.live.load(Ordering::Relaxed) + LARGEST_GROUP <= SOCKETS_PER_CONTEXT;
+    if let Some(s) = slots.iter().find(room) {
+        return s.clone();
+    }
+    let slot = Slot {
+        ctx: zmq::Context::new(),
+        live: Arc::new(AtomicUsize::new(0)),
+    };
+    slots.push(slot.clone());
+    slot
 }
 
 /// The signalling fd, borrowed from the socket that owns it.
@@ -65,6 +93,17 @@ struct SignalFd(RawFd);
 impl AsRawFd for SignalFd {
     fn as_raw_fd(&self) -> RawFd {
         self.0
+    }
+}
+
+/// Undoes a socket's count if its construction fails half way.
+struct Counted(Option<Arc<AtomicUsize>>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some(live) = &self.0 {
+            live.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -78,6 +117,15 @@ pub struct ZmqSocket {
     fd: AsyncFd<SignalFd>,
     socket: zmq::Socket,
     kind: SocketType,
+    slot: Slot,
+    /// Sockets this one holds in its context: itself, plus libzmq's monitor socket.
+    weight: usize,
+}
+
+impl Drop for ZmqSocket {
+    fn drop(&mut self) {
+        self.slot.live.fetch_sub(self.weight, Ordering::Relaxed);
+    }
 }
 
 impl std::fmt::Debug for ZmqSocket {
@@ -92,8 +140,15 @@ impl std::fmt::Debug for ZmqSocket {
 impl ZmqSocket {
     /// A new socket of `kind` (in a tokio runtime: the fd is registered with its reactor).
     pub fn new(kind: SocketType) -> Result<Self, SocketError> {
+        Self::new_in(context_with_room(), kind)
+    }
+
+    fn new_in(slot: Slot, kind: SocketType) -> Result<Self, SocketError> {
         let err = |op| move |e| SocketError::new(op, "", e);
-        let socket = context().socket(kind).map_err(err("socket"))?;
+        let socket = slot.ctx.socket(kind).map_err(err("socket"))?;
+        // Counted from here: dropping `socket` on an error below closes it again.
+        slot.live.fetch_add(1, Ordering::Relaxed);
+        let mut guard = Counted(Some(slot.live.clone()));
         socket.set_linger(0).map_err(err("linger"))?;
         let raw = socket.get_fd().map_err(err("fd"))?;
         // The replacement, `register_with_interest`, is `unsafe` (forbidden in this workspace);
@@ -101,7 +156,14 @@ impl ZmqSocket {
         // `fd` and so outlives the registration, and `SignalFd` always returns the same fd.
         #[allow(deprecated)]
         let fd = AsyncFd::with_interest(SignalFd(raw), Interest::READABLE)?;
-        Ok(ZmqSocket { fd, socket, kind })
+        guard.0 = None;
+        Ok(ZmqSocket {
+            fd,
+            socket,
+            kind,
+            slot,
+            weight: 1,
+        })
     }
 
     /// A SUB socket subscribed to `topic` (a prefix, as in ZMQ; `""` takes everything).
@@ -213,7 +275,7 @@ impl ZmqSocket {
     }
 
     /// Starts reporting connection events of this socket.
-    pub fn monitor(&self) -> Result<Monitor, SocketError> {
+    pub fn monitor(&mut self) -> Result<Monitor, SocketError> {
         static NEXT: AtomicU64 = AtomicU64::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let addr = format!("inproc://kinference-monitor-{}-{n}", std::process::id());
@@ -224,7 +286,11 @@ impl ZmqSocket {
         self.socket
             .monitor(&addr, i32::from(events))
             .map_err(|e| SocketError::new("monitor", &addr, e))?;
-        let pair = ZmqSocket::new(SocketType::PAIR)?;
+        // libzmq's own monitor socket lives as long as this one.
+        self.slot.live.fetch_add(1, Ordering::Relaxed);
+        self.weight += 1;
+        // inproc reaches only sockets of the same context.
+        let pair = ZmqSocket::new_in(self.slot.clone(), SocketType::PAIR)?;
         pair.connect(&addr)?;
         Ok(Monitor { pair })
     }
@@ -277,5 +343,23 @@ impl Monitor {
                 return Ok(PeerEvent::Retry);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn more_sockets_than_one_libzmq_context_holds() {
+        // libzmq refuses the 1024th socket of a context; a router with a thousand replicas
+        // needs about three thousand (SUB, its monitor, the monitor's peer).
+        let mut held = Vec::new();
+        for i in 0..1100 {
+            let mut s = ZmqSocket::sub("").unwrap_or_else(|e| panic!("socket {i}: {e}"));
+            let m = s.monitor().unwrap_or_else(|e| panic!("monitor {i}: {e}"));
+            held.push((s, m));
+        }
+        assert_eq!(held.len(), 1100);
     }
 }
