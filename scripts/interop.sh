@@ -13,6 +13,9 @@
 #      KINFERENCE_VLLM_HASH_ALGOS algorithms to run (default "sha256 sha256_cbor")
 #      KINFERENCE_VLLM_ROUTER_PHASE 1 (default): the two-replica router phase runs last;
 #                                 0: skipped; only: it alone runs (no per-algorithm phases)
+#      KINFERENCE_VLLM_SHARED_PHASE 1 (default): after it, the same test with both servers'
+#                                 PUB sockets connecting to ONE endpoint the router binds,
+#                                 told apart by topic; 0: skipped; only: it alone runs
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -20,10 +23,16 @@ CACHE=${KINFERENCE_VLLM_CACHE:-$HOME/.cache/kinference/real-vllm}
 NUM_BLOCKS=${KINFERENCE_VLLM_NUM_BLOCKS:-80}
 ALGOS=${KINFERENCE_VLLM_HASH_ALGOS:-sha256 sha256_cbor}
 ROUTER_PHASE=${KINFERENCE_VLLM_ROUTER_PHASE:-1}
+SHARED_PHASE=${KINFERENCE_VLLM_SHARED_PHASE:-1}
 case "$ROUTER_PHASE" in
   0|1) ;;
   only) ALGOS="" ;;
   *) echo "KINFERENCE_VLLM_ROUTER_PHASE must be 0, 1 or only" >&2; exit 2 ;;
+esac
+case "$SHARED_PHASE" in
+  0|1) ;;
+  only) ALGOS=""; ROUTER_PHASE=0 ;;
+  *) echo "KINFERENCE_VLLM_SHARED_PHASE must be 0, 1 or only" >&2; exit 2 ;;
 esac
 T0=$(date +%s)
 log() { echo "[interop $(date +%T) +$(( $(date +%s) - T0 ))s] $*"; }
@@ -100,19 +109,27 @@ for algo in $ALGOS; do
 done
 
 # The router in front of two replicas: both servers start together (their torch imports
-# overlap), the test runs against both, and both stop whatever happens.
+# overlap), the test runs against both, and both stop whatever happens. With `shared`, both
+# servers' PUB sockets connect to the same endpoint (the first one's event port), which the
+# router binds once, and each publishes under its own topic (llm-d's `kv@<host>@<model>`).
 router_phase() {
-  local algo=sha256 ports i t starters=() pidfiles=() urls=() evs=() replays=() ok=1
+  local mode=${1:-own} name=router algo=sha256 ports i t ev starters=() pidfiles=() urls=() evs=() replays=() topics=() ok=1
+  [ "$mode" = shared ] && name="shared endpoint"
   read -r -a ports <<<"$(free_ports 6)"
   t=$(date +%s)
   for i in 0 1; do
     PAIR_PORTS+=("${ports[i*3]}")
     pidfiles+=("$(mktemp)")
-    scripts/real-vllm.sh start "$CACHE" "${ports[i*3]}" "${ports[i*3+1]}" "${ports[i*3+2]}" \
+    ev=${ports[i*3+1]}
+    [ "$mode" = shared ] && ev=${ports[1]}
+    topics+=("kv@127.0.0.1:${ports[i*3]}@tiny")
+    [ "$mode" = shared ] || topics[i]=kv-events
+    REAL_VLLM_TOPIC=${topics[i]} \
+      scripts/real-vllm.sh start "$CACHE" "${ports[i*3]}" "$ev" "${ports[i*3+2]}" \
       "$algo" "$NUM_BLOCKS" >"${pidfiles[i]}" &
     starters+=($!)
     urls+=("http://127.0.0.1:${ports[i*3]}")
-    evs+=("tcp://127.0.0.1:${ports[i*3+1]}")
+    evs+=("tcp://127.0.0.1:$ev")
     replays+=("tcp://127.0.0.1:${ports[i*3+2]}")
   done
   if [ "$first" = 1 ]; then
@@ -124,34 +141,36 @@ router_phase() {
   fi
   for i in 0 1; do
     if ! wait "${starters[i]}"; then
-      log "router phase: server ${urls[i]} failed to start; log: $CACHE/logs/server_${ports[i*3]}.log"
+      log "$name phase: server ${urls[i]} failed to start; log: $CACHE/logs/server_${ports[i*3]}.log"
       ok=0
     fi
   done
   rm -f "${pidfiles[@]}"
   if [ "$ok" = 0 ]; then
-    failed+=("router (server start)")
+    failed+=("$name (server start)")
     cleanup_pair
     return
   fi
-  log "router phase: two servers ($algo, $NUM_BLOCKS blocks) ready: $(( $(date +%s) - t ))s"
+  log "$name phase: two servers ($algo, $NUM_BLOCKS blocks, events ${evs[*]}) ready: $(( $(date +%s) - t ))s"
   t=$(date +%s)
   if KINFERENCE_ROUTER_VLLM_URLS="${urls[0]},${urls[1]}" \
      KINFERENCE_ROUTER_VLLM_EVENTS="${evs[0]},${evs[1]}" \
      KINFERENCE_ROUTER_VLLM_REPLAY="${replays[0]},${replays[1]}" \
+     KINFERENCE_ROUTER_VLLM_TOPICS="${topics[0]},${topics[1]}" \
      KINFERENCE_ROUTER_VLLM_HASH_ALGO="$algo" \
      cargo test -p kinference-interop --test router_two_replicas -- --nocapture; then
-    log "router tests passed: $(( $(date +%s) - t ))s"
+    log "$name tests passed: $(( $(date +%s) - t ))s"
   else
-    log "router tests FAILED: $(( $(date +%s) - t ))s (server logs: $CACHE/logs/server_${ports[0]}.log, $CACHE/logs/server_${ports[3]}.log)"
-    failed+=("router")
+    log "$name tests FAILED: $(( $(date +%s) - t ))s (server logs: $CACHE/logs/server_${ports[0]}.log, $CACHE/logs/server_${ports[3]}.log)"
+    failed+=("$name")
   fi
   t=$(date +%s)
   cleanup_pair
-  log "router phase stop: $(( $(date +%s) - t ))s"
+  log "$name phase stop: $(( $(date +%s) - t ))s"
 }
 
-[ "$ROUTER_PHASE" = 0 ] || router_phase
+[ "$ROUTER_PHASE" = 0 ] || router_phase own
+[ "$SHARED_PHASE" = 0 ] || router_phase shared
 
 log "total: $(( $(date +%s) - T0 ))s"
 if [ ${#failed[@]} -gt 0 ]; then

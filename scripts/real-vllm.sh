@@ -17,6 +17,7 @@
 #   scripts/real-vllm.sh stop PID
 #       Stops the server and the engine-core and worker processes it spawned.
 # env: REAL_VLLM_START_TIMEOUT (seconds, default 600) bounds the wait for /health.
+#      REAL_VLLM_TOPIC (default kv-events) is the KV-event topic the server publishes under.
 #      KV_GIB (default 1): VLLM_CPU_KVCACHE_SPACE, as in setup_and_run.sh.
 #      REAL_VLLM_SINGLE_PROCESS (default 1): run the model in the engine-core process
 #        (VLLM_ENABLE_V1_MULTIPROCESSING=0 + --distributed-executor-backend uni) instead of a
@@ -103,7 +104,7 @@ cmd_start() {
   dir=$(cd "$dir" && pwd)
   is_installed "$dir" || die "$dir has no vLLM install: run '$0 install $dir' first"
   mkdir -p "$dir/logs" "$dir/tmp"
-  local evcfg="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:$ev\", \"replay_endpoint\": \"tcp://127.0.0.1:$ev_replay\", \"topic\": \"kv-events\"}"
+  local evcfg="{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": \"tcp://127.0.0.1:$ev\", \"replay_endpoint\": \"tcp://127.0.0.1:$ev_replay\", \"topic\": \"${REAL_VLLM_TOPIC:-kv-events}\"}"
   local extra=()
   [ -n "$blocks" ] && extra+=(--num-gpu-blocks-override "$blocks")
   local single=${REAL_VLLM_SINGLE_PROCESS:-1}

@@ -270,8 +270,7 @@ impl WorkerConfig {
     /// Checks everything that can be checked before opening sockets.
     pub fn validate(&self) -> Result<(), EventsError> {
         for endpoint in std::iter::once(self.events_endpoint()?).chain(self.replay_endpoint()?) {
-            // The zeromq build here carries the tcp transport only; inproc is not reachable
-            // from another process anyway.
+            // ipc and inproc do not reach another host, and the rank offset is defined for tcp.
             if !endpoint.starts_with("tcp://") {
                 return Err(EventsError::Endpoint {
                     endpoint,
@@ -315,14 +314,13 @@ pub struct EventPlaneConfig {
     /// Most live messages buffered while a replay runs; beyond it the replay is abandoned and
     /// the gap treated as unrecoverable.
     pub replay_buffer_max: usize,
-    /// Time to establish a replay DEALER connection.
+    /// Time for a replay request to reach the publisher's ROUTER (the DEALER dials in the
+    /// background; the request waits for the connection).
     pub replay_connect_timeout: Duration,
     /// Longest wait for the next replay reply message (the whole reply may take longer).
     pub replay_idle_timeout: Duration,
     /// Upper bound on one whole replay.
     pub replay_total_timeout: Duration,
-    /// Time for one connect attempt of the SUB socket.
-    pub connect_timeout: Duration,
     /// Replay attempts per gap before it is declared unrecoverable.
     pub replay_attempts: u32,
     /// Retry pacing after socket errors and failed replays.
@@ -339,7 +337,6 @@ impl Default for EventPlaneConfig {
             replay_connect_timeout: Duration::from_secs(2),
             replay_idle_timeout: Duration::from_secs(2),
             replay_total_timeout: Duration::from_secs(30),
-            connect_timeout: Duration::from_secs(5),
             replay_attempts: 2,
             backoff: BackoffConfig::default(),
         }
@@ -365,7 +362,6 @@ impl EventPlaneConfig {
             ("replay_connect_timeout", self.replay_connect_timeout),
             ("replay_idle_timeout", self.replay_idle_timeout),
             ("replay_total_timeout", self.replay_total_timeout),
-            ("connect_timeout", self.connect_timeout),
         ];
         for (name, value) in durations {
             if value.is_zero() {
@@ -551,12 +547,12 @@ mod tests {
     fn config_reports_every_problem() {
         let cfg = EventPlaneConfig {
             channel_capacity: 0,
-            connect_timeout: Duration::ZERO,
+            replay_idle_timeout: Duration::ZERO,
             ..EventPlaneConfig::default()
         };
         let err = cfg.validate().unwrap_err().to_string();
         assert!(
-            err.contains("channel_capacity") && err.contains("connect_timeout"),
+            err.contains("channel_capacity") && err.contains("replay_idle_timeout"),
             "{err}"
         );
         assert!(EventPlaneConfig::default().validate().is_ok());

@@ -77,7 +77,8 @@ pub struct WorkerHealth {
     pub resets: u64,
     /// Messages that could not be parsed or decoded (skipped).
     pub decode_errors: u64,
-    /// Socket setup or receive errors (each followed by a backoff).
+    /// Socket setup or receive errors, and failed dials (nobody listening yet; libzmq redials
+    /// with the plane's backoff).
     pub socket_errors: u64,
     /// Entries the index holds for this worker, after the last applied update.
     pub entries: usize,

@@ -19,8 +19,8 @@
 //!  router ── borrow, no lock ────────────────▶ watch<WorkerHealth> per worker
 //! ```
 //!
-//! - The **reader task** owns the SUB socket and polls it from the moment it is bound or
-//!   connected (the `zeromq` crate reads TCP only while polled), forwarding raw messages.
+//! - The **reader task** owns the SUB socket (libzmq, see [`socket`]) and drains it from the
+//!   moment it is bound or connected, forwarding raw messages and connection events.
 //! - The **subscriber task** parses frames, tracks the sequence number, fetches replays over a
 //!   DEALER socket while buffering live messages, and sends [`Update`]s to the writer. What it
 //!   sends for one worker is in stream order and the channel is FIFO, so the index applies each
@@ -120,6 +120,9 @@
 //! base + rank). Only `tcp://` endpoints are accepted. Binding port 0 is allowed for rank 0;
 //! the real endpoint is then in [`WorkerHealth::local_endpoint`].
 //!
+//! The [`socket`] module is the workspace's one ZMQ layer (libzmq under tokio); the simulator's
+//! publisher and the interop tests use it too.
+//!
 //! Feature `test-util` adds the `testing` module: a vLLM-like publisher (PUB + replay ROUTER) and batch
 //! builders.
 
@@ -129,6 +132,8 @@ mod error;
 mod health;
 mod plane;
 mod sequencer;
+mod shared;
+pub mod socket;
 mod subscriber;
 #[cfg(feature = "test-util")]
 pub mod testing;
@@ -144,6 +149,7 @@ pub use config::{
 pub use error::EventsError;
 pub use health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};
 pub use plane::{EventPlane, IndexHandle, WriterPause};
+pub use shared::BoundEndpoint;
 pub use writer::Update;
 
 pub use kinference_index::{Index, ReplicaId, WorkerId};

@@ -2,7 +2,9 @@
 //!
 //! Invariants: the index is written only by the writer task; a worker's subscriber is stopped
 //! (awaited) before its removal is sent to the writer, so nothing of it can be applied after
-//! the removal; every task stops when the plane's cancellation token fires.
+//! the removal; every task stops when the plane's cancellation token fires. Workers that bind
+//! the same endpoint (a fixed port) share one socket and are told apart by topic
+//! ([`crate::shared`]); the socket closes with its last worker.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -20,8 +22,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::{EventPlaneConfig, ReplicaConfig, WorkerConfig};
 use crate::error::EventsError;
 use crate::health::WorkerHealth;
+use crate::shared::{BoundEndpoint, SharedSub};
 use crate::subscriber::{self, SubscriberSpec};
-use crate::transport;
+use crate::transport::ReaderEvent;
 use crate::writer::{Envelope, Update, Writer};
 
 /// Shared handle to the index. Readers take the read lock briefly (`longest_prefix`); only the
@@ -43,7 +46,13 @@ struct WorkerTask {
     cancel: CancellationToken,
     task: JoinHandle<()>,
     health: watch::Receiver<WorkerHealth>,
+    /// Bind mode: the bound endpoint feeding this worker, and the worker's topic there.
+    route: Option<(Arc<SharedSub>, String)>,
 }
+
+/// Bound endpoints by configured address; port-0 endpoints are never shared (each asks for a
+/// port of its own) and are not listed.
+type BoundMap = tokio::sync::Mutex<HashMap<String, Arc<SharedSub>>>;
 
 /// The live KV-event plane. Create inside a tokio runtime with [`EventPlane::start`].
 #[derive(Debug)]
@@ -54,6 +63,7 @@ pub struct EventPlane {
     cancel: CancellationToken,
     pause: Arc<tokio::sync::RwLock<()>>,
     workers: Mutex<HashMap<WorkerId, WorkerTask>>,
+    bound: BoundMap,
     writer: Mutex<Option<JoinHandle<()>>>,
     seeds: AtomicU64,
 }
@@ -81,6 +91,7 @@ impl EventPlane {
             cancel,
             pause,
             workers: Mutex::new(HashMap::new()),
+            bound: BoundMap::default(),
             writer: Mutex::new(Some(writer)),
             seeds: AtomicU64::new(0),
         })
@@ -103,16 +114,14 @@ impl EventPlane {
             return Err(EventsError::DuplicateWorker(worker));
         }
         let endpoint = config.events_endpoint()?;
-        let bind = config.mode.binds();
         let mut health = WorkerHealth::new(worker, endpoint.clone());
-        let opened = if bind {
-            let stream =
-                transport::open_sub(&endpoint, true, &config.topic, self.config.connect_timeout)
-                    .await?;
-            health.local_endpoint = stream.local_endpoint.clone();
-            Some(stream)
+        let (routed, route) = if config.mode.binds() {
+            let (tx, rx) = mpsc::channel(self.config.reader_capacity);
+            let shared = self.route(&endpoint, &config.topic, tx).await?;
+            health.local_endpoint = Some(shared.local_endpoint().to_owned());
+            (Some(rx), Some((shared, config.topic.clone())))
         } else {
-            None
+            (None, None)
         };
         let (health_tx, health_rx) = watch::channel(health);
         let cancel = self.cancel.child_token();
@@ -127,17 +136,19 @@ impl EventPlane {
             cancel: cancel.clone(),
             seed: self.seed_for(worker),
         };
-        let mut workers = self.workers.lock();
-        if workers.contains_key(&worker) {
+        let duplicate = self.workers.lock().contains_key(&worker);
+        if duplicate {
+            self.release(route).await;
             return Err(EventsError::DuplicateWorker(worker));
         }
-        let task = tokio::spawn(subscriber::run(spec, opened));
+        let task = tokio::spawn(subscriber::run(spec, routed));
         let entry = WorkerTask {
             cancel,
             task,
             health: health_rx,
+            route,
         };
-        workers.insert(worker, entry);
+        self.workers.lock().insert(worker, entry);
         tracing::info!(?worker, "event subscriber started");
         Ok(worker)
     }
@@ -166,7 +177,7 @@ impl EventPlane {
         let Some(task) = self.workers.lock().remove(&worker) else {
             return Ok(false);
         };
-        stop_task(task).await;
+        self.stop_worker(task).await;
         self.send_and_wait(Envelope::new(worker, Some(Update::ClearWorker)))
             .await?;
         Ok(true)
@@ -186,7 +197,7 @@ impl EventPlane {
         };
         let stopped = tasks.len();
         for task in tasks {
-            stop_task(task).await;
+            self.stop_worker(task).await;
         }
         let any = WorkerId {
             replica,
@@ -279,12 +290,82 @@ impl EventPlane {
         self.cancel.cancel();
         let tasks: Vec<WorkerTask> = self.workers.lock().drain().map(|(_, t)| t).collect();
         for task in tasks {
-            stop_task(task).await;
+            self.stop_worker(task).await;
         }
         let writer = self.writer.lock().take();
         if let Some(writer) = writer {
             stop_join(writer).await;
         }
+    }
+
+    /// Every bound endpoint with its topics and the messages no worker owned (unknown
+    /// topics), sorted by bound endpoint. Cheap and lock-light: for metrics and admin pages.
+    pub fn bound_endpoints(&self) -> Vec<BoundEndpoint> {
+        let mut seen: Vec<Arc<SharedSub>> = Vec::new();
+        for t in self.workers.lock().values() {
+            if let Some((s, _)) = &t.route {
+                if !seen.iter().any(|x| Arc::ptr_eq(x, s)) {
+                    seen.push(s.clone());
+                }
+            }
+        }
+        let mut out: Vec<BoundEndpoint> = seen.iter().map(|s| s.stats()).collect();
+        out.sort_by(|a, b| a.local_endpoint.cmp(&b.local_endpoint));
+        out
+    }
+
+    /// The bound endpoint for `endpoint` (opened on first use), with `tx` routed for `topic`.
+    async fn route(
+        &self,
+        endpoint: &str,
+        topic: &str,
+        tx: mpsc::Sender<ReaderEvent>,
+    ) -> Result<Arc<SharedSub>, EventsError> {
+        let shareable = !endpoint.ends_with(":0");
+        // Held until the route is in place, so a concurrent release cannot close it first.
+        let mut bound = self.bound.lock().await;
+        let existing = bound.get(endpoint).filter(|_| shareable).cloned();
+        let fresh = existing.is_none();
+        let shared = match existing {
+            Some(s) => s,
+            None => {
+                let cancel = self.cancel.child_token();
+                Arc::new(SharedSub::open(endpoint, &self.config.backoff, cancel).await?)
+            }
+        };
+        match shared.add_route(topic, tx) {
+            Ok(()) => {
+                if fresh && shareable {
+                    bound.insert(endpoint.to_owned(), shared.clone());
+                }
+                Ok(shared)
+            }
+            Err(e) => {
+                drop(bound);
+                if fresh {
+                    shared.close().await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Drops a worker's route; closes the bound endpoint when it was the last.
+    async fn release(&self, route: Option<(Arc<SharedSub>, String)>) {
+        let Some((shared, topic)) = route else { return };
+        let mut bound = self.bound.lock().await;
+        if shared.remove_route(&topic) > 0 {
+            return;
+        }
+        bound.retain(|_, s| !Arc::ptr_eq(s, &shared));
+        drop(bound);
+        shared.close().await;
+    }
+
+    async fn stop_worker(&self, mut task: WorkerTask) {
+        let route = task.route.take();
+        stop_task(task).await;
+        self.release(route).await;
     }
 
     fn seed_for(&self, worker: WorkerId) -> u64 {

@@ -96,25 +96,29 @@ pub(crate) struct Subscriber {
     verify_next: bool,
 }
 
-/// Runs one worker's subscription until cancelled. `opened` is the already bound socket in
-/// bind mode (so that bind errors reach the caller); in connect mode the task dials itself.
-pub(crate) async fn run(spec: SubscriberSpec, opened: Option<SubStream>) {
-    let stream = match opened {
-        Some(s) => s,
-        None => match connect(&spec).await {
-            Ok(s) => s,
-            Err(Stop) => return,
-        },
-    };
-    let (tx, rx) = mpsc::channel(spec.plane.reader_capacity);
+/// Runs one worker's subscription until cancelled. `routed` carries the worker's messages
+/// from a bound endpoint's dispatcher (bind mode: the socket is bound before, so that bind
+/// errors reach the caller); without it the task dials the publisher itself.
+pub(crate) async fn run(spec: SubscriberSpec, routed: Option<mpsc::Receiver<ReaderEvent>>) {
     let reader_cancel = spec.cancel.child_token();
-    let reader = tokio::spawn(transport::run_reader(
-        stream,
-        tx,
-        spec.plane.backoff.clone(),
-        spec.seed,
-        reader_cancel.clone(),
-    ));
+    let (rx, reader) = match routed {
+        Some(rx) => (rx, None),
+        None => {
+            let stream = match connect(&spec).await {
+                Ok(s) => s,
+                Err(Stop) => return,
+            };
+            let (tx, rx) = mpsc::channel(spec.plane.reader_capacity);
+            let reader = tokio::spawn(transport::run_reader(
+                stream,
+                tx,
+                spec.plane.backoff.clone(),
+                spec.seed,
+                reader_cancel.clone(),
+            ));
+            (rx, Some(reader))
+        }
+    };
     let mut sub = Subscriber {
         spec,
         rx,
@@ -129,7 +133,9 @@ pub(crate) async fn run(spec: SubscriberSpec, opened: Option<SubStream>) {
     };
     let _ = sub.main_loop().await;
     reader_cancel.cancel();
-    let _ = reader.await;
+    if let Some(reader) = reader {
+        let _ = reader.await;
+    }
     sub.spec.health.send_modify(|h| h.connected = false);
     tracing::debug!(worker = ?sub.spec.worker, "subscriber stopped");
 }
@@ -138,12 +144,7 @@ pub(crate) async fn run(spec: SubscriberSpec, opened: Option<SubStream>) {
 async fn connect(spec: &SubscriberSpec) -> Flow<SubStream> {
     let mut backoff = Backoff::new(spec.plane.backoff.clone(), spec.seed);
     loop {
-        let attempt = transport::open_sub(
-            &spec.endpoint,
-            false,
-            &spec.topic,
-            spec.plane.connect_timeout,
-        );
+        let attempt = transport::open_sub(&spec.endpoint, false, &spec.topic, &spec.plane.backoff);
         let result = tokio::select! {
             biased;
             _ = spec.cancel.cancelled() => return Err(Stop),
@@ -208,6 +209,11 @@ impl Subscriber {
                 self.spec.health.send_modify(|h| h.connected = connected);
                 None
             }
+            ReaderEvent::DialFailed => {
+                // Counted, not logged: libzmq redials on its own, with the plane's backoff.
+                self.spec.health.send_modify(|h| h.socket_errors += 1);
+                None
+            }
             ReaderEvent::Error(e) => {
                 tracing::warn!(worker = ?self.spec.worker, error = %e, "event socket error");
                 self.spec.health.send_modify(|h| h.socket_errors += 1);
@@ -224,6 +230,9 @@ impl Subscriber {
             Err(e) => e.seq,
         };
         self.spec.health.send_modify(|h| {
+            // A message proves a connection (on a shared bound endpoint, connection events
+            // cannot be told apart per publisher, so this is the only sign of one).
+            h.connected = true;
             h.messages += 1;
             h.last_event_at = Some(now);
             if seq.is_some() {
@@ -528,8 +537,10 @@ async fn fetch_replay(
     plane: &EventPlaneConfig,
     items: &mut Vec<Result<SeqMsg, WireError>>,
 ) -> Result<(), EventsError> {
-    let mut conn = ReplayConn::connect(endpoint, plane.replay_connect_timeout).await?;
-    conn.request(from).await?;
+    let mut conn = ReplayConn::connect(endpoint)?;
+    tokio::time::timeout(plane.replay_connect_timeout, conn.request(from))
+        .await
+        .map_err(|_| EventsError::Timeout(plane.replay_connect_timeout))??;
     loop {
         let frames = tokio::time::timeout(plane.replay_idle_timeout, conn.recv())
             .await

@@ -6,21 +6,20 @@
 //! `[b"", start_seq]` on a ROUTER with every buffered `seq >= start` and then the end marker, in
 //! the 0.34 layout or the 0.11–0.24 one. It uses an XPUB socket (wire-identical to a PUB for the
 //! subscriber) so a test can wait until the subscription has arrived instead of sleeping.
+//! Both sockets are libzmq's ([`crate::socket`]), as in vLLM (pyzmq).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
+use crate::error::EventsError;
+use crate::socket::{SocketType, ZmqSocket};
 use kinference_vllm::events::codec::encode_batch;
 use kinference_vllm::events::frames;
 use kinference_vllm::{BlockRemoved, BlockStored, HashValue, KvEvent, KvEventBatch};
 use parking_lot::Mutex;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use zeromq::{RouterSocket, Socket, SocketRecv, SocketSend, XPubSocket, ZmqMessage};
-
-use crate::error::EventsError;
 
 /// Which replay reply layout the fake answers with.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -57,7 +56,7 @@ struct ReplayState {
 
 /// A vLLM-like KV-event publisher for tests.
 pub struct FakePublisher {
-    socket: XPubSocket,
+    socket: ZmqSocket,
     topic: String,
     next_seq: u64,
     state: Arc<Mutex<ReplayState>>,
@@ -78,15 +77,6 @@ impl std::fmt::Debug for FakePublisher {
     }
 }
 
-fn zmq_err(e: zeromq::ZmqError) -> EventsError {
-    EventsError::Zmq(e.to_string())
-}
-
-fn message(frames: Vec<Vec<u8>>) -> Result<ZmqMessage, EventsError> {
-    let frames: Vec<Bytes> = frames.into_iter().map(Bytes::from).collect();
-    ZmqMessage::try_from(frames).map_err(|e| EventsError::Zmq(format!("{e:?}")))
-}
-
 impl FakePublisher {
     /// The publisher binds ephemeral ports on 127.0.0.1 (vLLM endpoint `tcp://*:PORT`).
     pub async fn bind(topic: &str, buffer_steps: usize) -> Result<Self, EventsError> {
@@ -102,9 +92,9 @@ impl FakePublisher {
         topic: &str,
         buffer_steps: usize,
     ) -> Result<Self, EventsError> {
-        let mut socket = XPubSocket::new();
-        let bound = socket.bind(events).await.map_err(zmq_err)?;
-        Self::finish(socket, Some(bound.to_string()), replay, topic, buffer_steps).await
+        let mut socket = ZmqSocket::new(SocketType::XPUB)?;
+        let bound = socket.bind(events).await?;
+        Self::finish(socket, Some(bound), replay, topic, buffer_steps).await
     }
 
     /// The publisher connects to a bound subscriber (vLLM endpoint `tcp://HOST:PORT`).
@@ -113,20 +103,20 @@ impl FakePublisher {
         topic: &str,
         buffer_steps: usize,
     ) -> Result<Self, EventsError> {
-        let mut socket = XPubSocket::new();
-        socket.connect(endpoint).await.map_err(zmq_err)?;
+        let socket = ZmqSocket::new(SocketType::XPUB)?;
+        socket.connect(endpoint)?;
         Self::finish(socket, None, "tcp://127.0.0.1:0", topic, buffer_steps).await
     }
 
     async fn finish(
-        socket: XPubSocket,
+        socket: ZmqSocket,
         events_endpoint: Option<String>,
         replay_endpoint: &str,
         topic: &str,
         buffer_steps: usize,
     ) -> Result<Self, EventsError> {
-        let mut router = RouterSocket::new();
-        let replay = router.bind(replay_endpoint).await.map_err(zmq_err)?;
+        let mut router = ZmqSocket::new(SocketType::ROUTER)?;
+        let replay = router.bind(replay_endpoint).await?;
         let state = Arc::new(Mutex::new(ReplayState {
             topic: topic.to_owned(),
             buffer: VecDeque::new(),
@@ -142,7 +132,7 @@ impl FakePublisher {
             next_seq: 0,
             state,
             events_endpoint,
-            replay_endpoint: replay.to_string(),
+            replay_endpoint: replay,
             cancel,
             replay_task,
         })
@@ -176,8 +166,8 @@ impl FakePublisher {
     pub async fn wait_subscribed(&mut self, timeout: Duration) -> Result<(), EventsError> {
         let wait = async {
             loop {
-                let msg = self.socket.recv().await.map_err(zmq_err)?;
-                if msg.get(0).is_some_and(|f| f.first() == Some(&1)) {
+                let msg = self.socket.recv().await?;
+                if msg.first().and_then(|f| f.first()) == Some(&1) {
                     return Ok(());
                 }
             }
@@ -207,10 +197,7 @@ impl FakePublisher {
     pub async fn publish_payload(&mut self, payload: &[u8]) -> Result<u64, EventsError> {
         let seq = self.buffer(payload);
         let frames = frames::live_frames(&self.topic, seq, payload);
-        self.socket
-            .send(message(frames.to_vec())?)
-            .await
-            .map_err(zmq_err)?;
+        self.socket.send(&frames).await?;
         Ok(seq)
     }
 
@@ -221,7 +208,7 @@ impl FakePublisher {
 
     /// Sends raw frames; sequence numbers and the replay buffer are untouched.
     pub async fn send_frames(&mut self, frames: Vec<Vec<u8>>) -> Result<(), EventsError> {
-        self.socket.send(message(frames)?).await.map_err(zmq_err)
+        Ok(self.socket.send(&frames).await?)
     }
 
     /// Takes the next sequence number without publishing (for hand-made frames).
@@ -236,29 +223,26 @@ impl FakePublisher {
         self.state.lock().buffer.clear();
     }
 
-    /// Stops the replay server and closes both sockets; their ports are free on return.
+    /// Stops the replay server and closes both sockets; binding their ports again works at
+    /// once ([`ZmqSocket::bind`] waits out libzmq's background teardown).
     pub async fn close(self) {
         self.cancel.cancel();
         let _ = self.replay_task.await;
-        let _ = self.socket.close().await;
+        drop(self.socket);
     }
 }
 
 async fn serve_replay(
-    mut router: RouterSocket,
+    mut router: ZmqSocket,
     state: Arc<Mutex<ReplayState>>,
     cancel: CancellationToken,
 ) {
     loop {
         let request = tokio::select! {
-            _ = cancel.cancelled() => {
-                let _ = router.close().await;
-                return;
-            }
+            _ = cancel.cancelled() => return,
             r = router.recv() => r,
         };
-        let Ok(request) = request else { continue };
-        let frames = request.into_vec();
+        let Ok(frames) = request else { continue };
         let Some((identity, rest)) = frames.split_first() else {
             continue;
         };
@@ -282,8 +266,7 @@ async fn serve_replay(
         };
         for mut reply in replies {
             reply.insert(0, identity.to_vec());
-            let Ok(msg) = message(reply) else { continue };
-            if router.send(msg).await.is_err() {
+            if router.send(&reply).await.is_err() {
                 break;
             }
         }
@@ -399,7 +382,6 @@ pub fn fast_config() -> crate::EventPlaneConfig {
         replay_connect_timeout: Duration::from_secs(2),
         replay_idle_timeout: Duration::from_millis(500),
         replay_total_timeout: Duration::from_secs(5),
-        connect_timeout: Duration::from_secs(2),
         backoff: crate::BackoffConfig {
             initial: Duration::from_millis(10),
             max: Duration::from_millis(200),

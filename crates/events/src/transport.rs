@@ -1,20 +1,17 @@
-//! ZMQ sockets (the pure-Rust `zeromq` crate): the SUB reader task and the replay DEALER.
+//! The SUB reader task and the replay DEALER, on [`crate::socket`] (libzmq).
 //!
-//! Invariants: the subscription is registered before the socket binds or connects (the crate
-//! sends remembered subscriptions to every new peer), and a reader task polls the SUB socket
-//! from the moment it exists: the crate only reads TCP while the socket is polled, so an idle
-//! SUB would stall its publishers and lose messages at their high-water mark.
-
-use std::time::Duration;
+//! Invariants: the subscription and the connection monitor are set up before the socket binds
+//! or connects, so no message or peer event is missed; connecting never waits for the peer
+//! (libzmq dials in the background and redials after losses), and the reader task drains the
+//! socket from the moment it exists.
 
 use bytes::Bytes;
-use futures::StreamExt;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use zeromq::{DealerSocket, Socket, SocketEvent, SocketOptions, SocketRecv, SocketSend, SubSocket};
 
 use crate::backoff::{Backoff, BackoffConfig};
 use crate::error::EventsError;
+use crate::socket::{Monitor, PeerEvent, SocketType, ZmqSocket};
 
 /// What the reader task reports to its subscriber, in arrival order.
 #[derive(Debug)]
@@ -25,43 +22,35 @@ pub(crate) enum ReaderEvent {
     PeerUp,
     /// A publisher connection closed.
     PeerDown,
+    /// A dial found nobody listening; libzmq dials again by itself.
+    DialFailed,
     /// A receive error; the reader backs off and continues.
     Error(String),
 }
 
 /// An open SUB socket with its connection monitor.
 pub(crate) struct SubStream {
-    socket: SubSocket,
-    monitor: futures::channel::mpsc::Receiver<SocketEvent>,
+    pub socket: ZmqSocket,
+    pub monitor: Monitor,
     /// The endpoint actually bound (bind mode).
     pub local_endpoint: Option<String>,
 }
 
-fn zmq_err(e: zeromq::ZmqError) -> EventsError {
-    EventsError::Zmq(e.to_string())
-}
-
-/// Opens a SUB socket subscribed to `topic`, bound to or connected to `endpoint`.
+/// Opens a SUB socket subscribed to `topic`, bound to or connected to `endpoint`. Connecting
+/// returns at once; the publisher may come up later.
 pub(crate) async fn open_sub(
     endpoint: &str,
     bind: bool,
     topic: &str,
-    connect_timeout: Duration,
+    redial: &BackoffConfig,
 ) -> Result<SubStream, EventsError> {
-    let mut options = SocketOptions::default();
-    options.connect_timeout(connect_timeout);
-    let mut socket = SubSocket::with_options(options);
-    let monitor = socket.monitor();
-    socket.subscribe(topic).await.map_err(zmq_err)?;
+    let mut socket = ZmqSocket::sub(topic)?;
+    socket.set_reconnect(redial.initial, redial.max)?;
+    let monitor = socket.monitor()?;
     let local_endpoint = if bind {
-        let bound = socket.bind(endpoint).await.map_err(zmq_err)?;
-        Some(bound.to_string())
+        Some(socket.bind(endpoint).await?)
     } else {
-        // The crate retries refused connections until its own timeout; ours bounds it too.
-        tokio::time::timeout(connect_timeout, socket.connect(endpoint))
-            .await
-            .map_err(|_| EventsError::Timeout(connect_timeout))?
-            .map_err(zmq_err)?;
+        socket.connect(endpoint)?;
         None
     };
     Ok(SubStream {
@@ -80,15 +69,7 @@ pub(crate) async fn run_reader(
     cancel: CancellationToken,
 ) {
     read_until_cancelled(&mut stream, &tx, backoff, seed, &cancel).await;
-    // Unbind before returning, so a removed worker's port is free once its task has ended.
-    let close = stream.socket.close();
-    if tokio::time::timeout(CLOSE_GRACE, close).await.is_err() {
-        tracing::warn!("SUB socket did not close in time");
-    }
 }
-
-/// How long closing a socket may take before it is just dropped.
-const CLOSE_GRACE: Duration = Duration::from_secs(2);
 
 async fn read_until_cancelled(
     stream: &mut SubStream,
@@ -104,10 +85,11 @@ async fn read_until_cancelled(
             biased;
             _ = cancel.cancelled() => return,
             ev = stream.monitor.next(), if monitor_open => match ev {
-                Some(SocketEvent::Connected(..) | SocketEvent::Accepted(..)) => ReaderEvent::PeerUp,
-                Some(SocketEvent::Disconnected(..)) => ReaderEvent::PeerDown,
-                Some(_) => continue,
-                None => {
+                Ok(PeerEvent::Up) => ReaderEvent::PeerUp,
+                Ok(PeerEvent::Down) => ReaderEvent::PeerDown,
+                Ok(PeerEvent::Retry) => ReaderEvent::DialFailed,
+                Err(e) => {
+                    tracing::warn!(error = %e, "connection monitor failed");
                     monitor_open = false;
                     continue;
                 }
@@ -115,7 +97,7 @@ async fn read_until_cancelled(
             msg = stream.socket.recv() => match msg {
                 Ok(m) => {
                     backoff.reset();
-                    ReaderEvent::Message(m.into_vec())
+                    ReaderEvent::Message(m.into_iter().map(Bytes::from).collect())
                 }
                 Err(e) => ReaderEvent::Error(e.to_string()),
             },
@@ -138,35 +120,26 @@ async fn read_until_cancelled(
 /// A replay client connection (one per replay attempt, so a late reply to an abandoned
 /// request can never be mistaken for the next one's).
 pub(crate) struct ReplayConn {
-    socket: DealerSocket,
+    socket: ZmqSocket,
 }
 
 impl ReplayConn {
-    pub async fn connect(endpoint: &str, timeout: Duration) -> Result<Self, EventsError> {
-        let mut options = SocketOptions::default();
-        options.connect_timeout(timeout);
-        let mut socket = DealerSocket::with_options(options);
-        tokio::time::timeout(timeout, socket.connect(endpoint))
-            .await
-            .map_err(|_| EventsError::Timeout(timeout))?
-            .map_err(zmq_err)?;
+    /// Dials the replay ROUTER (in the background; the request waits for the connection).
+    pub fn connect(endpoint: &str) -> Result<Self, EventsError> {
+        let socket = ZmqSocket::new(SocketType::DEALER)?;
+        socket.connect(endpoint)?;
         Ok(ReplayConn { socket })
     }
 
     /// Sends vLLM's replay request: `[b"", start_seq as 8-byte big-endian]`.
     pub async fn request(&mut self, start_seq: u64) -> Result<(), EventsError> {
-        let frames = vec![
-            Bytes::new(),
-            Bytes::copy_from_slice(&start_seq.to_be_bytes()),
-        ];
-        let msg =
-            zeromq::ZmqMessage::try_from(frames).map_err(|e| EventsError::Zmq(format!("{e:?}")))?;
-        self.socket.send(msg).await.map_err(zmq_err)
+        let frames: [&[u8]; 2] = [b"", &start_seq.to_be_bytes()];
+        Ok(self.socket.send(&frames).await?)
     }
 
     /// The next reply message, frames as received (empty delimiter included).
     pub async fn recv(&mut self) -> Result<Vec<Bytes>, EventsError> {
-        let msg = self.socket.recv().await.map_err(zmq_err)?;
-        Ok(msg.into_vec())
+        let msg = self.socket.recv().await?;
+        Ok(msg.into_iter().map(Bytes::from).collect())
     }
 }

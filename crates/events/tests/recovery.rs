@@ -461,19 +461,40 @@ async fn reconnecting_publisher_in_bind_mode_is_resynced() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removed_worker_frees_its_port_for_a_new_subscription() {
+    // The router closes a live connection first, which leaves it in TIME_WAIT on the bound
+    // port; binding that port again must work at once (libzmq sets SO_REUSEADDR).
     let plane = EventPlane::start(fast_config()).unwrap();
     let worker = WorkerId::new(ReplicaId(3), DpRank(0));
     let cfg =
         WorkerConfig::bind(worker.replica, worker.rank, "tcp://127.0.0.1:0").with_topic(TOPIC);
     plane.add_worker(cfg).await.unwrap();
     let local = plane.health(worker).unwrap().local_endpoint.unwrap();
+    let mut first = FakePublisher::connect(&local, TOPIC, 10).await.unwrap();
+    first.wait_subscribed(WAIT).await.unwrap();
+    first.publish(&chain(1)).await.unwrap();
+    plane
+        .wait_for(worker, WAIT, |h| h.applied_seq == Some(0))
+        .await
+        .unwrap();
     assert!(plane.remove_worker(worker).await.unwrap());
+    first.close().await;
     let again = WorkerConfig::bind(worker.replica, worker.rank, &local).with_topic(TOPIC);
     plane
         .add_worker(again)
         .await
         .expect("the port was released");
+    let mut second = FakePublisher::connect(&local, TOPIC, 10).await.unwrap();
+    second.wait_subscribed(WAIT).await.unwrap();
+    let mut model = Model::default();
+    model.apply(&chain(2));
+    second.publish(&chain(2)).await.unwrap();
+    plane
+        .wait_for(worker, WAIT, |h| h.applied_seq == Some(0) && !h.stale)
+        .await
+        .unwrap();
+    assert!(model.matches(&plane.index().read(), worker));
     plane.shutdown().await;
+    second.close().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -282,3 +282,97 @@ async fn shutdown_is_prompt_while_dialing_a_dead_endpoint() {
         .expect("shutdown within 3 s");
     assert!(started.elapsed() < Duration::from_secs(3));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_connecting_to_one_bound_endpoint_are_told_apart_by_topic() {
+    // vLLM pods configured with `endpoint: tcp://router:PORT` and their own `topic` (llm-d:
+    // `kv@<pod-ip>@<model>`) all connect to one router endpoint.
+    let plane = EventPlane::start(fast_config()).unwrap();
+    let endpoint = format!("tcp://127.0.0.1:{}", unused_port());
+    let topic = |i: u32| format!("kv@10.0.0.{i}@tiny");
+    for i in 0..3 {
+        let cfg = WorkerConfig::bind(ReplicaId(i), DpRank(0), &endpoint).with_topic(&topic(i));
+        plane.add_worker(cfg).await.unwrap();
+    }
+    // One topic per replica, and no catch-all beside them.
+    for (replica, t) in [(7, topic(1)), (8, String::new())] {
+        let cfg = WorkerConfig::bind(ReplicaId(replica), DpRank(0), &endpoint).with_topic(&t);
+        let err = plane.add_worker(cfg).await.unwrap_err();
+        assert!(err.to_string().contains("topic"), "{err}");
+    }
+    let mut publishers = Vec::new();
+    let mut models = Vec::new();
+    for i in 0..3u32 {
+        let mut p = FakePublisher::connect(&endpoint, &topic(i), 100)
+            .await
+            .unwrap();
+        p.wait_subscribed(WAIT).await.unwrap();
+        models.push(publish_mix(&mut p, 3 + u64::from(i), 1000 * u64::from(i + 1)).await);
+        publishers.push(p);
+    }
+    let mut stranger = FakePublisher::connect(&endpoint, "kv@10.0.0.9@tiny", 10)
+        .await
+        .unwrap();
+    stranger.wait_subscribed(WAIT).await.unwrap();
+    stranger.publish(&stored(&[99], None)).await.unwrap();
+    stranger.publish(&stored(&[98], None)).await.unwrap();
+    for (i, (p, model)) in publishers.iter().zip(&models).enumerate() {
+        let w = worker(i as u32, 0);
+        let h = wait_applied(&plane, w, p.next_seq() - 1).await;
+        assert!(model.matches(&plane.index().read(), w), "{w}");
+        assert_eq!((h.gaps, h.resets, h.decode_errors), (0, 0, 0), "{h:?}");
+        assert!(h.connected, "{h:?}");
+    }
+    // The stranger's batches are counted and reported, and went to nobody.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let bound = loop {
+        let b = plane.bound_endpoints();
+        if b.first().is_some_and(|b| b.unknown_messages == 2) {
+            break b;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{b:?}");
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(bound.len(), 1);
+    assert_eq!(bound[0].topics, vec![topic(0), topic(1), topic(2)]);
+    assert_eq!(bound[0].unknown_topics.get("kv@10.0.0.9@tiny"), Some(&2));
+    assert_eq!(
+        plane.index().read().len(),
+        models.iter().map(|m| m.blocks.len()).sum::<usize>()
+    );
+
+    // One replica restarts (its sequence starts over): only it is rebuilt.
+    publishers.remove(1).close().await;
+    let mut restarted = FakePublisher::connect(&endpoint, &topic(1), 100)
+        .await
+        .unwrap();
+    restarted.wait_subscribed(WAIT).await.unwrap();
+    let model = publish_mix(&mut restarted, 2, 50_000).await;
+    let w1 = worker(1, 0);
+    plane
+        .wait_for(w1, WAIT, |h| {
+            h.resets == 1 && h.applied_seq == Some(3) && !h.stale
+        })
+        .await
+        .unwrap();
+    assert!(model.matches(&plane.index().read(), w1));
+    for i in [0, 2] {
+        assert_eq!(plane.health(worker(i, 0)).unwrap().resets, 0);
+        assert!(models[i as usize].matches(&plane.index().read(), worker(i, 0)));
+    }
+    // Removing one replica leaves the endpoint to the others; removing all closes it.
+    plane.remove_replica(ReplicaId(0)).await.unwrap();
+    assert_eq!(plane.bound_endpoints()[0].topics, vec![topic(1), topic(2)]);
+    plane.remove_replica(ReplicaId(1)).await.unwrap();
+    plane.remove_replica(ReplicaId(2)).await.unwrap();
+    assert!(plane.bound_endpoints().is_empty());
+    let again = WorkerConfig::bind(ReplicaId(0), DpRank(0), &endpoint).with_topic(&topic(0));
+    plane
+        .add_worker(again)
+        .await
+        .expect("the port was released");
+    plane.shutdown().await;
+    for p in publishers.into_iter().chain([restarted, stranger]) {
+        p.close().await;
+    }
+}

@@ -8,9 +8,8 @@
 
 use std::time::Duration;
 
-use bytes::Bytes;
+use kinference_events::socket::{SocketType, ZmqSocket};
 use kinference_vllm::{decode_batch, parse_replay, KvEventBatch, ReplayFrame};
-use zeromq::{DealerSocket, Socket, SocketOptions, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::InteropError;
 
@@ -33,21 +32,13 @@ pub async fn fetch_replay(
         endpoint: endpoint.to_owned(),
         reason,
     };
-    let mut options = SocketOptions::default();
-    options.connect_timeout(timeout);
-    let mut socket = DealerSocket::with_options(options);
-    tokio::time::timeout(timeout, socket.connect(endpoint))
+    let mut socket = ZmqSocket::new(SocketType::DEALER).map_err(|e| fail(e.to_string()))?;
+    socket.connect(endpoint).map_err(|e| fail(e.to_string()))?;
+    // The DEALER dials in the background; the request waits for the connection.
+    let request: [&[u8]; 2] = [b"", &start_seq.to_be_bytes()];
+    tokio::time::timeout(timeout, socket.send(&request))
         .await
-        .map_err(|_| fail(format!("connect timed out after {timeout:?}")))?
-        .map_err(|e| fail(format!("connect: {e}")))?;
-    let request = ZmqMessage::try_from(vec![
-        Bytes::new(),
-        Bytes::copy_from_slice(&start_seq.to_be_bytes()),
-    ])
-    .map_err(|e| fail(format!("building the request: {e:?}")))?;
-    socket
-        .send(request)
-        .await
+        .map_err(|_| fail(format!("not connected within {timeout:?}")))?
         .map_err(|e| fail(format!("send: {e}")))?;
     let mut out = Vec::new();
     loop {
@@ -60,7 +51,7 @@ pub async fn fetch_replay(
                 ))
             })?
             .map_err(|e| fail(format!("recv: {e}")))?;
-        let frames = msg.into_vec();
+        let frames = msg;
         match parse_replay(&frames).map_err(|e| fail(format!("frames: {e}")))? {
             ReplayFrame::End => break,
             ReplayFrame::Batch {
@@ -78,6 +69,5 @@ pub async fn fetch_replay(
             }
         }
     }
-    drop(socket.close().await);
     Ok(out)
 }

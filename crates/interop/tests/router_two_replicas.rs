@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kinference_interop::env::model_dir;
 use kinference_interop::env::{MODEL, TOPIC};
-use kinference_interop::VllmHttp;
+use kinference_interop::{fetch_replay, EventLog, VllmHttp};
 use kinference_proxy::api::{ExplainResponse, Health, ReplicasResponse};
 use kinference_proxy::{Config, EventsSpec, PoolConfig, Proxy, ReplicaSpec};
 use serde_json::{json, Value};
@@ -26,6 +26,9 @@ const URLS_VAR: &str = "KINFERENCE_ROUTER_VLLM_URLS";
 const EVENTS_VAR: &str = "KINFERENCE_ROUTER_VLLM_EVENTS";
 /// Their replay ROUTER endpoints, in the same order.
 const REPLAY_VAR: &str = "KINFERENCE_ROUTER_VLLM_REPLAY";
+/// Their `topic`s, in the same order (optional; default [`TOPIC`] for both). When both
+/// servers connect to one endpoint, the router binds it once and tells them apart by topic.
+const TOPICS_VAR: &str = "KINFERENCE_ROUTER_VLLM_TOPICS";
 /// Their `--prefix-caching-hash-algo`.
 const HASH_ALGO_VAR: &str = "KINFERENCE_ROUTER_VLLM_HASH_ALGO";
 
@@ -37,6 +40,7 @@ struct Replica {
     url: String,
     events: String,
     replay: String,
+    topic: String,
 }
 
 /// `None` when [`URLS_VAR`] is unset; a panic when it is set but the rest is incomplete.
@@ -58,16 +62,23 @@ fn replicas_from_env() -> Option<(Vec<Replica>, String)> {
     assert_eq!(urls.len(), 2, "{URLS_VAR} must name two servers");
     assert_eq!(events.len(), 2, "{EVENTS_VAR} must name two endpoints");
     assert_eq!(replay.len(), 2, "{REPLAY_VAR} must name two endpoints");
+    let topics: Vec<String> = match var(TOPICS_VAR) {
+        Some(t) => t.split(',').map(|s| s.trim().to_owned()).collect(),
+        None => vec![TOPIC.to_owned(); 2],
+    };
+    assert_eq!(topics.len(), 2, "{TOPICS_VAR} must name two topics");
     let algo = var(HASH_ALGO_VAR)
         .unwrap_or_else(|| panic!("{URLS_VAR} is set but {HASH_ALGO_VAR} is not"));
     let replicas = urls
         .into_iter()
         .zip(events)
         .zip(replay)
-        .map(|((url, events), replay)| Replica {
+        .zip(topics)
+        .map(|(((url, events), replay), topic)| Replica {
             url,
             events,
             replay,
+            topic,
         })
         .collect();
     Some((replicas, algo))
@@ -209,7 +220,7 @@ async fn router_sends_a_shared_prefix_to_the_replica_that_caches_it() {
             r.events = Some(EventsSpec {
                 bind: Some(s.events.clone()),
                 replay: Some(s.replay.clone()),
-                topic: TOPIC.to_owned(),
+                topic: s.topic.clone(),
                 ..EventsSpec::default()
             });
             r
@@ -222,7 +233,10 @@ async fn router_sends_a_shared_prefix_to_the_replica_that_caches_it() {
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let proxy = Proxy::start_with(cfg, data, admin).await.unwrap();
 
-    for s in &servers {
+    // On an endpoint shared by both, a connection cannot be told apart per publisher (only
+    // their messages can, by topic); the first request's events show the stream instead.
+    let shared = servers[0].events == servers[1].events;
+    for s in servers.iter().filter(|_| !shared) {
         let h = proxy
             .wait_for_events(&s.url, 0, WAIT, |h| h.connected)
             .await
@@ -380,5 +394,21 @@ async fn router_sends_a_shared_prefix_to_the_replica_that_caches_it() {
         status.pools[0].replicas.iter().all(|r| r.scorable),
         "{status:#?}"
     );
+    // Each replica's entries in the router's index are exactly the blocks its own event log
+    // (read back through its replay socket, independently of the router) leaves cached.
+    for s in &servers {
+        let mut log = EventLog::new();
+        log.extend(fetch_replay(&s.replay, 0, WAIT).await.unwrap())
+            .unwrap();
+        let held = log.model().len();
+        let h = proxy
+            .wait_for_events(&s.url, 0, WAIT, |h| h.entries == held && !h.stale)
+            .await
+            .unwrap_or_else(|e| panic!("{}: the index never held its {held} blocks: {e}", s.url));
+        println!(
+            "{} (topic {:?}): {} blocks, as its event log",
+            s.url, s.topic, h.entries
+        );
+    }
     proxy.shutdown().await;
 }

@@ -32,6 +32,7 @@
 
 use std::time::Duration;
 
+use kinference_events::socket::ZmqSocket;
 use kinference_interop::env::{model_dir, MODEL_DIR_VAR};
 use kinference_interop::env::{SKIP_MESSAGE, TOPIC};
 use kinference_interop::http::parse_cache_config;
@@ -43,7 +44,6 @@ use kinference_vllm::metrics::text;
 use kinference_vllm::{BlockHash, BlockHasher, ExtraKeysFormat, HashAlgo, KvEvent, RequestExtras};
 use serde_json::{json, Value};
 use tokio::time::Instant;
-use zeromq::{Socket, SocketRecv, SubSocket};
 
 const MODEL: &str = "tiny";
 const SETTLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -265,7 +265,7 @@ struct Side {
     replay: String,
     log: EventLog,
     /// The real server's live stream (its PUB connects to us): wakes the settle loop early.
-    live: Option<SubSocket>,
+    live: Option<ZmqSocket>,
     sim: Option<Server>,
     client: reqwest::Client,
 }
@@ -353,9 +353,8 @@ impl Side {
 }
 
 async fn real_side(env: &RealVllmEnv, client: &reqwest::Client) -> Side {
-    let mut live = SubSocket::new();
+    let mut live = ZmqSocket::sub("").unwrap();
     live.bind(&env.events).await.unwrap();
-    live.subscribe("").await.unwrap();
     let mut side = Side {
         name: "real vLLM",
         base: env.url.clone(),

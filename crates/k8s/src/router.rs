@@ -376,6 +376,7 @@ mod tests {
             routed_prompt_tokens: 0,
             predicted_cached_tokens: 0,
             discovery: None,
+            event_endpoints: Vec::new(),
         }
     }
 

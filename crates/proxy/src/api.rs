@@ -126,6 +126,10 @@ pub struct PoolStatus {
     /// Where a discovered pool's replicas come from, and whether it can be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery: Option<DiscoveryStatus>,
+    /// The KV-event endpoints the router binds for this pool (publishers connect to them),
+    /// with their topics and what arrived under topics of no replica.
+    #[serde(default)]
+    pub event_endpoints: Vec<EventEndpointStatus>,
 }
 
 /// A discovered pool's source (`PoolStatus::discovery`).
@@ -142,6 +146,21 @@ pub struct DiscoveryStatus {
     /// A stable label for `error` (metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_kind: Option<String>,
+}
+
+/// One bound KV-event endpoint, possibly shared by many replicas told apart by topic.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventEndpointStatus {
+    /// As configured (`bind`).
+    pub endpoint: String,
+    /// Actually bound (real port).
+    pub local_endpoint: String,
+    /// The replicas' topics routed here.
+    pub topics: Vec<String>,
+    /// Messages under a topic no replica is configured with (dropped, not merged).
+    pub unknown_topic_messages: u64,
+    /// Those topics (up to 64) with their message counts.
+    pub unknown_topics: std::collections::BTreeMap<String, u64>,
 }
 
 /// Whether a replica answers.

@@ -189,6 +189,10 @@ pub struct PoolConfig {
     /// vLLM (`--lora-modules name=path`). The path enters the block hashes.
     #[serde(default)]
     pub lora_adapters: BTreeMap<String, String>,
+    /// KV events for every replica without its own `events`: one bound endpoint that all
+    /// publishers connect to, each replica told apart by its topic.
+    #[serde(default)]
+    pub events: Option<PoolEvents>,
     #[serde(default)]
     pub replicas: Vec<ReplicaSpec>,
     /// Discover the replicas from a Kubernetes `InferencePool` instead of listing them.
@@ -234,8 +238,18 @@ impl PoolConfig {
             policy: PolicyConfig::default(),
             session_header: None,
             lora_adapters: BTreeMap::new(),
+            events: None,
             replicas: Vec::new(),
             inference_pool: None,
+        }
+    }
+
+    /// Gives every replica without an `events` setting the pool's (see [`PoolEvents`]).
+    pub fn apply_pool_events(&mut self) {
+        let Some(pool) = &self.events else { return };
+        let model = self.models.first().cloned().unwrap_or_default();
+        for r in self.replicas.iter_mut().filter(|r| r.events.is_none()) {
+            r.events = Some(pool.for_replica(&r.url, &model));
         }
     }
 
@@ -386,6 +400,38 @@ pub struct EventsSpec {
     /// vLLM's `topic` (default empty).
     #[serde(default)]
     pub topic: String,
+}
+
+/// A pool's KV-event wiring for replicas whose publishers connect to the router (vLLM
+/// `--kv-events-config '{"endpoint": "tcp://ROUTER:5557", "topic": ...}'`): the router binds one
+/// endpoint for all of them and tells them apart by topic.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolEvents {
+    /// The endpoint the router binds, e.g. `tcp://*:5557` or `tcp://0.0.0.0:5557`.
+    pub bind: String,
+    /// Each replica's vLLM `topic`: `{host}` stands for the host of the replica's URL and
+    /// `{model}` for the pool's first model (llm-d's convention is `kv@{host}@{model}`).
+    pub topic: String,
+}
+
+impl PoolEvents {
+    /// The events setting of the replica at `url` serving `model`.
+    pub fn for_replica(&self, url: &str, model: &str) -> EventsSpec {
+        let host = url
+            .parse::<http::Uri>()
+            .ok()
+            .and_then(|u| u.host().map(str::to_owned))
+            .unwrap_or_default();
+        EventsSpec {
+            bind: Some(self.bind.clone()),
+            topic: self
+                .topic
+                .replace("{host}", &host)
+                .replace("{model}", model),
+            ..EventsSpec::default()
+        }
+    }
 }
 
 /// The resolved event source of a validated [`EventsSpec`].
@@ -732,6 +778,9 @@ fn parse_pool(item: Value, path: &str, errs: &mut Errors) -> Option<PoolConfig> 
         }
         Some(_) => errs.push(format!("{path}.replicas"), "must be a list of replicas"),
     }
+    if let Some(p) = pool.as_mut() {
+        p.apply_pool_events();
+    }
     pool
 }
 
@@ -806,6 +855,7 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
             replicas.push(r);
         }
     }
+    check_shared_binds(pool, path, errs);
     let hasher = hasher?;
     (errs.0.len() == before).then_some(ResolvedPool {
         hasher,
@@ -927,6 +977,39 @@ fn resolve_events(
     Some(source)
 }
 
+/// Replicas binding one endpoint (their publishers connect to it) share its socket and are
+/// told apart only by topic: each needs its own, non-empty one.
+fn check_shared_binds(pool: &PoolConfig, path: &str, errs: &mut Errors) {
+    let mut seen: BTreeMap<(&str, &str), usize> = BTreeMap::new();
+    let mut shared: BTreeMap<&str, usize> = BTreeMap::new();
+    let binds = pool.replicas.iter().enumerate().filter_map(|(j, r)| {
+        let ev = r.events.as_ref()?;
+        let bind = ev.bind.as_deref().filter(|b| !b.ends_with(":0"))?;
+        Some((j, bind, ev.topic.as_str()))
+    });
+    let binds: Vec<_> = binds.collect();
+    for (_, bind, _) in &binds {
+        *shared.entry(bind).or_default() += 1;
+    }
+    for (j, bind, topic) in binds {
+        if shared[bind] < 2 {
+            continue;
+        }
+        let tpath = format!("{path}.replicas[{j}].events.topic");
+        if topic.is_empty() {
+            errs.push(
+                tpath,
+                format!("{bind} is bound for several replicas: each needs its own topic"),
+            );
+        } else if let Some(first) = seen.insert((bind, topic), j) {
+            errs.push(
+                tpath,
+                format!("topic {topic:?} at {bind} is also replica {first}'s"),
+            );
+        }
+    }
+}
+
 fn check_endpoint(ep: &str, dp_ranks: u32, path: &str, errs: &mut Errors) {
     let Some(rest) = ep.strip_prefix("tcp://") else {
         errs.push(path, format!("{ep:?} must be a tcp:// endpoint"));
@@ -975,6 +1058,45 @@ mod tests {
             cfg.pools[1].replicas[0].events.as_ref().unwrap().source(),
             Ok(EventSource::Discover)
         );
+    }
+
+    #[test]
+    fn pool_events_bind_one_endpoint_and_give_each_replica_its_topic() {
+        let text = format!(
+            r#"
+pools:
+  - models: [tiny]
+    tokenizer: {tok}
+    block_size: 16
+    events: {{bind: "tcp://*:5557", topic: "kv@{{host}}@{{model}}"}}
+    replicas:
+      - http://10.0.0.5:8000
+      - http://10.0.0.6:8000
+      - url: http://10.0.0.7:8000
+        events: {{connect: tcp://10.0.0.7:5557}}
+"#,
+            tok = tokenizer_dir()
+        );
+        let cfg = Config::parse(&text).unwrap();
+        assert_eq!(cfg.validate(), vec![]);
+        let ev = |j: usize| cfg.pools[0].replicas[j].events.clone().unwrap();
+        assert_eq!(ev(0).source(), Ok(EventSource::Bind("tcp://*:5557".into())));
+        assert_eq!(ev(0).topic, "kv@10.0.0.5@tiny");
+        assert_eq!(ev(1).topic, "kv@10.0.0.6@tiny");
+        // A replica's own setting wins.
+        assert_eq!(
+            ev(2).source(),
+            Ok(EventSource::Connect("tcp://10.0.0.7:5557".into()))
+        );
+
+        // One topic for all replicas of a shared endpoint cannot tell them apart.
+        let same = text.replace("kv@{host}@{model}", "kv-events");
+        let errs = Config::parse(&same).unwrap().validate();
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "pools[0].replicas[1].events.topic");
+        let none = text.replace("kv@{host}@{model}", "");
+        let errs = Config::parse(&none).unwrap().validate();
+        assert_eq!(errs.len(), 2, "{errs:?}");
     }
 
     #[test]

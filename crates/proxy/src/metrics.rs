@@ -383,6 +383,7 @@ struct StateSeries {
     ev_decode: Series,
     discovery_ok: Series,
     discovery_error: Series,
+    ev_unknown: Series,
 }
 
 impl StateSeries {
@@ -481,6 +482,10 @@ impl StateSeries {
                 "kinference_pool_discovery_error",
                 "1 while a discovered pool's source cannot be read, labelled with why",
             ),
+            ev_unknown: Series::counter(
+                "kinference_event_endpoint_unknown_topic_messages",
+                "KV-event messages at a bound endpoint under a topic no replica is configured with (dropped)",
+            ),
         }
     }
 
@@ -524,6 +529,13 @@ impl StateSeries {
                 }
             }
             self.unscorable.samples.push((pl(), n_unscorable as f64));
+            for ep in &pool.event_endpoints {
+                let mut el = pl();
+                el.push(("endpoint", ep.endpoint.clone()));
+                self.ev_unknown
+                    .samples
+                    .push((el, ep.unknown_topic_messages as f64));
+            }
         }
     }
 
@@ -590,6 +602,7 @@ impl StateSeries {
             &self.ev_replays_ok,
             &self.ev_unrec,
             &self.ev_resets,
+            &self.ev_unknown,
             &self.ev_decode,
             &self.discovery_ok,
             &self.discovery_error,

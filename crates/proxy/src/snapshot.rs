@@ -8,7 +8,8 @@ use kinference_events::{EventPlane, SyncState, WorkerHealth};
 use tokio::time::Instant;
 
 use crate::api::{
-    DiscoveryStatus, EventStreamStatus, PoolStatus, ReplicaStatus, ReplicasResponse, WorkerStatus,
+    DiscoveryStatus, EventEndpointStatus, EventStreamStatus, PoolStatus, ReplicaStatus,
+    ReplicasResponse, WorkerStatus,
 };
 use crate::fleet::{Fleet, Pool, Replica};
 use crate::scrape::roots_match;
@@ -42,6 +43,7 @@ pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
         routed_prompt_tokens,
         predicted_cached_tokens,
         discovery: discovery(pool),
+        event_endpoints: plane.as_deref().map(event_endpoints).unwrap_or_default(),
     }
 }
 
@@ -59,6 +61,20 @@ fn discovery(pool: &Pool) -> Option<DiscoveryStatus> {
         error,
         error_kind,
     })
+}
+
+fn event_endpoints(plane: &EventPlane) -> Vec<EventEndpointStatus> {
+    plane
+        .bound_endpoints()
+        .into_iter()
+        .map(|b| EventEndpointStatus {
+            endpoint: b.endpoint,
+            local_endpoint: b.local_endpoint,
+            topics: b.topics,
+            unknown_topic_messages: b.unknown_messages,
+            unknown_topics: b.unknown_topics,
+        })
+        .collect()
 }
 
 fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -> ReplicaStatus {

@@ -562,28 +562,35 @@ async fn streamed_bytes_through_the_router_equal_direct_bytes() {
             json!({"model": MODEL, "prompt": long, "max_tokens": 20}),
         ),
     ];
-    // HTTP/1.1 and HTTP/2 (prior knowledge) clients both see the replica's bytes.
+    // HTTP/1.1 and HTTP/2 (prior knowledge) clients both see the replica's bytes. Both
+    // requests carry one X-Request-Id: response ids (and the sims' text, seeded by them) are
+    // random per request otherwise, as vLLM's are.
     let h2 = reqwest::Client::builder()
         .http2_prior_knowledge()
         .build()
         .unwrap();
     for (i, (path, body)) in requests.iter().enumerate() {
-        let a = post(direct.addr, path, body).await;
-        let via = if i == 1 {
-            let resp = h2
-                .post(format!("http://{}{path}", proxy.data_addr()))
+        let id = format!("e2e-bytes-{i}");
+        let send = |c: &reqwest::Client, addr: SocketAddr| {
+            c.post(format!("http://{addr}{path}"))
+                .header("x-request-id", &id)
                 .json(body)
                 .send()
-                .await
-                .unwrap();
-            assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+        };
+        let reply = |resp: reqwest::Response| async move {
             Reply {
                 status: resp.status().as_u16(),
                 endpoint: None,
                 body: resp.text().await.unwrap(),
             }
+        };
+        let a = reply(send(&client(), direct.addr).await.unwrap()).await;
+        let via = if i == 1 {
+            let resp = send(&h2, proxy.data_addr()).await.unwrap();
+            assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+            reply(resp).await
         } else {
-            post(proxy.data_addr(), path, body).await
+            reply(send(&client(), proxy.data_addr()).await.unwrap()).await
         };
         assert_eq!((a.status, via.status), (200, 200), "{}", via.body);
         assert_eq!(normalize(&a.body), normalize(&via.body), "{path}");

@@ -67,7 +67,10 @@ pub struct AppState {
     pub cache: CacheInfo,
     /// At least one.
     pub ranks: Vec<RankState>,
+    /// Counts requests; hashed under `id_key` into vLLM-like random request ids.
     pub next_id: AtomicU64,
+    /// A random key per server, so ids differ across servers and restarts as vLLM's do.
+    pub id_key: std::collections::hash_map::RandomState,
 }
 
 type Shared = Arc<AppState>;

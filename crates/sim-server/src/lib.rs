@@ -207,6 +207,7 @@ impl Server {
             },
             ranks: states,
             next_id: AtomicU64::new(0),
+            id_key: std::collections::hash_map::RandomState::new(),
         });
         let addr = listener.local_addr()?;
         let app = http::router(state);

@@ -5,16 +5,21 @@
 //! ROUTER socket answers `[b"", start_seq]` with every buffered batch from `start_seq` on as
 //! `[b"", topic, seq, payload]`, then the end marker `[b"", b"", ff×8, b""]`. The buffer keeps
 //! the last `buffer_steps` batches; sequence numbers never repeat.
+//!
+//! Both sockets are libzmq's (`kinference_events::socket`), as vLLM's are (pyzmq): connecting
+//! returns at once and libzmq dials in the background (and again after every loss), so the
+//! simulator serves before its router is up; batches published while no subscriber has its
+//! subscription in place are dropped, as vLLM's are (replay recovers them).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use kinference_events::socket::{SocketError, SocketType, ZmqSocket};
 use kinference_vllm::events::{codec, frames};
 use kinference_vllm::KvEventBatch;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
-use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::error::ServerError;
 
@@ -98,10 +103,8 @@ pub fn publisher_binds(endpoint: &str) -> bool {
         || endpoint.starts_with("inproc://")
 }
 
-/// The wildcard host as the socket library spells it (`*` → `0.0.0.0`).
-fn bindable(endpoint: &str) -> String {
-    endpoint.replacen("://*:", "://0.0.0.0:", 1)
-}
+/// vLLM's PUB high-water mark (`hwm`, 100,000 by default).
+const HWM: i32 = 100_000;
 
 /// The endpoints actually in use (bound ports resolved).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -118,12 +121,8 @@ fn lock(buf: &Buffer) -> MutexGuard<'_, VecDeque<(u64, Bytes)>> {
     buf.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn zmq_err(e: zeromq::ZmqError) -> ServerError {
+fn zmq_err(e: SocketError) -> ServerError {
     ServerError::Zmq(e.to_string())
-}
-
-fn message(frames: Vec<Bytes>) -> Option<ZmqMessage> {
-    ZmqMessage::try_from(frames).ok()
 }
 
 /// A started publisher.
@@ -139,24 +138,20 @@ pub struct Publisher {
 
 /// Opens the sockets and spawns the publishing and replay tasks.
 pub async fn start(cfg: &KvEventsConfig) -> Result<Publisher, ServerError> {
-    let mut socket = PubSocket::new();
+    let mut socket = ZmqSocket::new(SocketType::PUB).map_err(zmq_err)?;
+    socket.set_hwm(HWM).map_err(zmq_err)?;
     let events = if publisher_binds(&cfg.endpoint) {
-        let ep = socket
-            .bind(&bindable(&cfg.endpoint))
-            .await
-            .map_err(zmq_err)?;
-        Some(ep.to_string())
+        Some(socket.bind(&cfg.endpoint).await.map_err(zmq_err)?)
     } else {
-        socket.connect(&cfg.endpoint).await.map_err(zmq_err)?;
+        socket.connect(&cfg.endpoint).map_err(zmq_err)?;
         None
     };
     let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
     let mut tasks = Vec::new();
     let mut replay = None;
     if let Some(rep) = &cfg.replay_endpoint {
-        let mut router = RouterSocket::new();
-        let ep = router.bind(&bindable(rep)).await.map_err(zmq_err)?;
-        replay = Some(ep.to_string());
+        let mut router = ZmqSocket::new(SocketType::ROUTER).map_err(zmq_err)?;
+        replay = Some(router.bind(rep).await.map_err(zmq_err)?);
         tasks.push(tokio::spawn(serve_replay(
             router,
             Arc::clone(&buffer),
@@ -181,14 +176,28 @@ pub async fn start(cfg: &KvEventsConfig) -> Result<Publisher, ServerError> {
 }
 
 async fn publish(
-    mut socket: PubSocket,
+    mut socket: ZmqSocket,
     mut rx: mpsc::Receiver<KvEventBatch>,
     buffer: Buffer,
     (topic, capacity): (String, usize),
     published: watch::Sender<u64>,
 ) {
     let mut seq: u64 = 0;
-    while let Some(batch) = rx.recv().await {
+    loop {
+        let batch = tokio::select! {
+            b = rx.recv() => match b {
+                Some(b) => b,
+                None => return,
+            },
+            // Between batches, let libzmq take in new subscribers and their subscriptions,
+            // so the next batch reaches them.
+            r = socket.process_commands() => {
+                if let Err(e) = r {
+                    tracing::warn!(error = %e, "kv event socket poll failed");
+                }
+                continue;
+            }
+        };
         let payload = Bytes::from(codec::encode_batch(&batch));
         {
             let mut buf = lock(&buffer);
@@ -198,24 +207,24 @@ async fn publish(
             buf.push_back((seq, payload.clone()));
         }
         let [t, s, _] = frames::live_frames(&topic, seq, &[]);
-        if let Some(msg) = message(vec![Bytes::from(t), Bytes::from(s), payload]) {
-            if let Err(e) = socket.send(msg).await {
-                tracing::warn!(error = %e, seq, "kv event publish failed");
-            }
+        let msg: [&[u8]; 3] = [&t, &s, &payload];
+        if let Err(e) = socket.send(&msg).await {
+            tracing::warn!(error = %e, seq, "kv event publish failed");
         }
         seq += 1;
         published.send_replace(seq);
     }
-    let _ = socket.close().await;
 }
 
-async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: String) {
+async fn serve_replay(mut router: ZmqSocket, buffer: Buffer, topic: String) {
     loop {
-        // A receive error means the socket is closed: nothing more will arrive.
-        let Ok(request) = router.recv().await else {
-            return;
+        let frames_in = match router.recv().await {
+            Ok(f) => f,
+            Err(e) => {
+                tracing::warn!(error = %e, "replay socket failed");
+                return;
+            }
         };
-        let frames_in = request.into_vec();
         let Some((identity, rest)) = frames_in.split_first() else {
             continue;
         };
@@ -227,25 +236,17 @@ async fn serve_replay(mut router: RouterSocket, buffer: Buffer, topic: String) {
             .filter(|(s, _)| *s >= start)
             .cloned()
             .collect();
-        let mut replies: Vec<Vec<Bytes>> = items
-            .into_iter()
-            .map(|(s, payload)| {
-                let [d, t, sq, _] = frames::replay_batch_frames(&topic, s, &[]);
-                vec![Bytes::from(d), Bytes::from(t), Bytes::from(sq), payload]
-            })
-            .collect();
-        replies.push(
-            frames::replay_end_frames()
-                .into_iter()
-                .map(Bytes::from)
-                .collect(),
-        );
-        for mut reply in replies {
-            reply.insert(0, identity.clone());
-            let Some(msg) = message(reply) else { continue };
-            if router.send(msg).await.is_err() {
+        for (s, payload) in items {
+            let [d, t, sq, _] = frames::replay_batch_frames(&topic, s, &[]);
+            let msg: [&[u8]; 5] = [identity, &d, &t, &sq, &payload];
+            if router.send(&msg).await.is_err() {
                 break;
             }
+        }
+        let end = frames::replay_end_frames();
+        let msg: [&[u8]; 5] = [identity, &end[0], &end[1], &end[2], &end[3]];
+        if let Err(e) = router.send(&msg).await {
+            tracing::debug!(error = %e, "replay reply not sent");
         }
     }
 }

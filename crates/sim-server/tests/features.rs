@@ -4,8 +4,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use bytes::Bytes;
 use clap::Parser;
+use kinference_events::socket::{SocketType, ZmqSocket};
 use kinference_sim_server::cli::{self, SimArgs};
 use kinference_sim_server::{LoraModule, Server, ServerConfig};
 use kinference_testkit::{loopback, metric, sim, tokenizer_dir, WAIT};
@@ -13,7 +13,6 @@ use kinference_vllm::{
     BlockHasher, BlockStored, ExtraKeysFormat, HashAlgo, KvEvent, KvEventBatch, Lora, RequestExtras,
 };
 use serde_json::{json, Value};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const PROMPT: &str = "The router keeps a map from block hashes to the servers that hold them. \
 When a new request arrives it tokenizes the prompt, splits it into fixed size blocks, hashes \
@@ -93,23 +92,18 @@ async fn published(server: &Server, index: usize) -> Vec<KvEventBatch> {
         .await
         .unwrap());
     let eps = server.rank_endpoints()[index].clone().unwrap();
-    let mut dealer = DealerSocket::new();
+    let mut dealer = ZmqSocket::new(SocketType::DEALER).unwrap();
     dealer
         .connect(&loopback(eps.replay.as_deref().unwrap()))
-        .await
         .unwrap();
-    let ask: Vec<Bytes> = vec![Bytes::new(), Bytes::from(0u64.to_be_bytes().to_vec())];
-    dealer
-        .send(ZmqMessage::try_from(ask).unwrap())
-        .await
-        .unwrap();
+    let ask: [&[u8]; 2] = [b"", &0u64.to_be_bytes()];
+    dealer.send(&ask).await.unwrap();
     let mut out = Vec::new();
     loop {
         let frames = tokio::time::timeout(WAIT, dealer.recv())
             .await
             .unwrap()
-            .unwrap()
-            .into_vec();
+            .unwrap();
         match kinference_vllm::parse_replay(&frames).unwrap() {
             kinference_vllm::ReplayFrame::End => break,
             kinference_vllm::ReplayFrame::Batch { payload, .. } => {

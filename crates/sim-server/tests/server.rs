@@ -7,13 +7,12 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use bytes::Bytes;
+use kinference_events::socket::{SocketType, ZmqSocket};
 use kinference_events::{EventPlane, EventPlaneConfig, ReplicaId, WorkerConfig};
 use kinference_sim_server::{KvEventsConfig, Server};
-use kinference_testkit::{loopback, metric, sim, tokenizer_dir};
+use kinference_testkit::{loopback, metric, sim, tokenizer_dir, WAIT};
 use kinference_vllm::{BlockHash, DpRank, Tier};
 use serde_json::{json, Value};
-use zeromq::{DealerSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 const PROMPT: &str = "The router keeps a map from block hashes to the servers that hold them. \
 When a new request arrives it tokenizes the prompt, splits it into fixed size blocks, hashes \
@@ -158,6 +157,54 @@ async fn streaming_yields_token_chunks_usage_and_done() {
     server.shutdown();
 }
 
+/// The `id` of every chunk of a streamed request.
+async fn streamed_ids(server: &Server, path: &str, body: &Value) -> Vec<String> {
+    let (status, text) = post(server, path, body).await;
+    assert_eq!(status, 200, "{text}");
+    sse_data(&text)
+        .into_iter()
+        .filter(|e| *e != "[DONE]")
+        .map(|e| {
+            let v: Value = serde_json::from_str(e).unwrap();
+            v["id"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+fn vllm_like_id(id: &str, prefix: &str) -> bool {
+    id.strip_prefix(prefix)
+        .is_some_and(|hex| hex.len() == 16 && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_ids_are_random_per_request_and_shared_by_its_chunks() {
+    // vLLM: `chatcmpl-` / `cmpl-` + `random_uuid()` (16 hex digits), one id per request.
+    let (a, b) = (start(None).await, start(None).await);
+    let chat = json!({"model": "tiny", "max_tokens": 3, "stream": true,
+                      "messages": [{"role": "user", "content": PROMPT}]});
+    let mut completion = completion(3);
+    completion["stream"] = json!(true);
+    let mut seen = HashSet::new();
+    for server in [&a, &b] {
+        for (path, body, prefix) in [
+            ("/v1/chat/completions", &chat, "chatcmpl-"),
+            ("/v1/chat/completions", &chat, "chatcmpl-"),
+            ("/v1/completions", &completion, "cmpl-"),
+        ] {
+            let ids = streamed_ids(server, path, body).await;
+            assert!(ids.len() >= 3, "{ids:?}");
+            assert!(
+                ids.iter().all(|id| id == &ids[0]),
+                "one id per request: {ids:?}"
+            );
+            assert!(vllm_like_id(&ids[0], prefix), "{}", ids[0]);
+            assert!(seen.insert(ids[0].clone()), "repeated id {}", ids[0]);
+        }
+    }
+    a.shutdown();
+    b.shutdown();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_models_health_and_errors() {
     let server = start(None).await;
@@ -285,20 +332,16 @@ async fn replay_returns_every_batch_in_order_then_the_end_marker() {
     let server = start(Some(sim::events_on_port_zero())).await;
     traffic(&server).await;
     let eps = server.endpoints.clone().unwrap();
-    let mut dealer = DealerSocket::new();
+    let mut dealer = ZmqSocket::new(SocketType::DEALER).unwrap();
     dealer
         .connect(&loopback(eps.replay.as_deref().unwrap()))
-        .await
         .unwrap();
-    let ask: Vec<Bytes> = vec![Bytes::new(), Bytes::from(1u64.to_be_bytes().to_vec())];
-    dealer
-        .send(ZmqMessage::try_from(ask).unwrap())
-        .await
-        .unwrap();
+    let ask: [&[u8]; 2] = [b"", &1u64.to_be_bytes()];
+    dealer.send(&ask).await.unwrap();
     let mut seqs = Vec::new();
     let mut stored = 0usize;
     loop {
-        let frames = dealer.recv().await.unwrap().into_vec();
+        let frames = dealer.recv().await.unwrap();
         match kinference_vllm::parse_replay(&frames).unwrap() {
             kinference_vllm::ReplayFrame::End => break,
             kinference_vllm::ReplayFrame::Batch { seq, payload, .. } => {
@@ -378,4 +421,60 @@ async fn matches_a_real_vllm_capture() {
         );
     }
     server.shutdown();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_simulator_rebinds_its_event_ports_and_the_subscriber_follows() {
+    let first = start(Some(sim::events_on_port_zero())).await;
+    let eps = first.endpoints.clone().unwrap();
+    let (events, replay) = (eps.events.unwrap(), eps.replay.unwrap());
+    let plane = EventPlane::start(EventPlaneConfig::default()).unwrap();
+    let cfg = WorkerConfig::connect(ReplicaId(1), DpRank(0), &loopback(&events))
+        .with_replay(&loopback(&replay));
+    let w = plane.add_worker(cfg).await.unwrap();
+    traffic(&first).await;
+    let held = engine_hashes(&first).await.len();
+    plane
+        .wait_for(w, WAIT, |h| h.entries == held && !h.stale)
+        .await
+        .unwrap();
+    // Stopping the publisher closes its accepted connections first, which leaves them in
+    // TIME_WAIT on its ports; like vLLM (libzmq sets SO_REUSEADDR) it must bind them again.
+    first.shutdown();
+    let port = |ep: &str| ep.rsplit(':').next().unwrap().to_owned();
+    let mut kv = KvEventsConfig::new(&format!("tcp://*:{}", port(&events)));
+    kv.replay_endpoint = Some(format!("tcp://*:{}", port(&replay)));
+    let second = start(Some(kv)).await;
+    let eps = second.endpoints.clone().unwrap();
+    assert_eq!(eps.events.as_deref().map(port), Some(port(&events)));
+    assert_eq!(eps.replay.as_deref().map(port), Some(port(&replay)));
+    // The same subscriber redials by itself, sees the new stream and holds its blocks only.
+    // Batches sent before its subscription reaches the new publisher are dropped (as with
+    // vLLM), so requests go on until the restart has been seen.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut i = 0;
+    while plane.health(w).unwrap().resets == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the restart was never seen"
+        );
+        let body = json!({"prompt": format!("{PROMPT} Restarted {i}?"), "max_tokens": 4});
+        let (status, text) = post(&second, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{text}");
+        i += 1;
+    }
+    let expected = engine_hashes(&second).await;
+    let index = plane.index();
+    let h = plane
+        .wait_for(w, WAIT, |h| {
+            h.resets >= 1 && !h.stale && h.entries == expected.len()
+        })
+        .await
+        .unwrap();
+    assert!(h.connected, "{h:?}");
+    assert!(expected
+        .iter()
+        .all(|b| index.read().holds(w, *b, Tier::Gpu)));
+    plane.shutdown().await;
+    second.shutdown();
 }

@@ -120,9 +120,16 @@ pub(super) async fn submit(
             state.max_model_len, state.max_model_len
         )));
     }
+    // vLLM: the X-Request-Id header, else `random_uuid()` (16 random hex digits).
     let base = match request_id {
         Some(r) => r.to_owned(),
-        None => format!("{:016x}", state.next_id.fetch_add(1, Ordering::Relaxed)),
+        None => {
+            let n = state.next_id.fetch_add(1, Ordering::Relaxed);
+            format!(
+                "{:016x}",
+                std::hash::BuildHasher::hash_one(&state.id_key, n)
+            )
+        }
     };
     let id = match api {
         Api::Completion => format!("cmpl-{base}"),

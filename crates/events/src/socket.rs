@@ -1,0 +1,365 @@
+//! libzmq sockets (the `zmq` crate, libzmq built from source) driven by tokio without a thread
+//! per socket: the one socket layer of the workspace (subscriber, replay client, simulator
+//! publisher and replay server, interop tests).
+//!
+//! Invariants:
+//! - Every call into libzmq is non-blocking (`DONTWAIT`); waiting happens on the socket's
+//!   `ZMQ_FD` registered with tokio. That fd is edge-triggered and only says "look again":
+//!   after each wake the operation is retried until `EAGAIN`, and the readiness is cleared
+//!   *before* the retry, so a signal arriving meanwhile is never lost.
+//! - A socket is used by one task at a time (`&mut self`): libzmq sockets are not thread-safe,
+//!   and a send processing commands could otherwise swallow the wake a receiver waits for.
+//! - Sockets live in process-wide contexts that are never terminated, so dropping a socket
+//!   never blocks; linger is 0 (vLLM closes with linger 0). libzmq caps a context at 1023
+//!   sockets (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise), so a new context (one
+//!   more libzmq I/O thread) is opened whenever the open ones are full: a router subscribed
+//!   to a thousand replicas needs about three thousand sockets (SUB and its monitor pair).
+//! - Listeners get libzmq's `SO_REUSEADDR`, so a restarted process rebinds its ports at once
+//!   even with earlier connections in `TIME_WAIT`.
+
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+pub use zmq::SocketType;
+
+/// A libzmq call failed, or the socket's fd could not be polled.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error("zmq {op} {endpoint}: {source}")]
+    Zmq {
+        op: &'static str,
+        endpoint: String,
+        #[source]
+        source: zmq::Error,
+    },
+    #[error("polling the zmq socket: {0}")]
+    Poll(#[from] std::io::Error),
+}
+
+impl SocketError {
+    fn new(op: &'static str, endpoint: &str, source: zmq::Error) -> Self {
+        SocketError::Zmq {
+            op,
+            endpoint: endpoint.to_owned(),
+            source,
+        }
+    }
+}
+
+impl From<SocketError> for crate::EventsError {
+    fn from(e: SocketError) -> Self {
+        crate::EventsError::Zmq(e.to_string())
+    }
+}
+
+/// Sockets per context: below libzmq's default cap of 1023, with room for a socket, its
+/// monitor and the monitor's peer to land in the same context (inproc needs that).
+const SOCKETS_PER_CONTEXT: usize = 1000;
+const LARGEST_GROUP: usize = 3;
+
+/// A context and how many sockets are open in it.
+#[derive(Clone)]
+struct Slot {
+    ctx: zmq::Context,
+    live: Arc<AtomicUsize>,
+}
+
+/// A context with room for a group of up to [`LARGEST_GROUP`] sockets.
+fn context_with_room() -> Slot {
+    static SLOTS: OnceLock<Mutex<Vec<Slot>>> = OnceLock::new();
+    let slots = SLOTS.get_or_init(|| Mutex::new(Vec::new()));
+    // Plain data; a panic elsewhere cannot leave the list inconsistent.
+    let mut slots = slots.lock().unwrap_or_else(|e| e.into_inner());
+    let room = |s: &&Slot| s.live.load(Ordering::Relaxed) + LARGEST_GROUP <= SOCKETS_PER_CONTEXT;
+    if let Some(s) = slots.iter().find(room) {
+        return s.clone();
+    }
+    let slot = Slot {
+        ctx: zmq::Context::new(),
+        live: Arc::new(AtomicUsize::new(0)),
+    };
+    slots.push(slot.clone());
+    slot
+}
+
+/// The signalling fd, borrowed from the socket that owns it.
+struct SignalFd(RawFd);
+
+impl AsRawFd for SignalFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// Undoes a socket's count if its construction fails half way.
+struct Counted(Option<Arc<AtomicUsize>>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        if let Some(live) = &self.0 {
+            live.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How long [`ZmqSocket::bind`] retries while a closed socket's listener is being torn down.
+const BIND_RETRY: Duration = Duration::from_millis(20);
+const BIND_ATTEMPTS: u32 = 100;
+
+/// One libzmq socket under tokio.
+pub struct ZmqSocket {
+    // Declared before `socket`: the fd is deregistered from tokio before libzmq closes it.
+    fd: AsyncFd<SignalFd>,
+    socket: zmq::Socket,
+    kind: SocketType,
+    slot: Slot,
+    /// Sockets this one holds in its context: itself, plus libzmq's monitor socket.
+    weight: usize,
+}
+
+impl Drop for ZmqSocket {
+    fn drop(&mut self) {
+        self.slot.live.fetch_sub(self.weight, Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for ZmqSocket {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZmqSocket")
+            .field("kind", &self.kind)
+            .field("fd", &self.fd.get_ref().0)
+            .finish()
+    }
+}
+
+impl ZmqSocket {
+    /// A new socket of `kind` (in a tokio runtime: the fd is registered with its reactor).
+    pub fn new(kind: SocketType) -> Result<Self, SocketError> {
+        Self::new_in(context_with_room(), kind)
+    }
+
+    fn new_in(slot: Slot, kind: SocketType) -> Result<Self, SocketError> {
+        let err = |op| move |e| SocketError::new(op, "", e);
+        let socket = slot.ctx.socket(kind).map_err(err("socket"))?;
+        // Counted from here: dropping `socket` on an error below closes it again.
+        slot.live.fetch_add(1, Ordering::Relaxed);
+        let mut guard = Counted(Some(slot.live.clone()));
+        socket.set_linger(0).map_err(err("linger"))?;
+        let raw = socket.get_fd().map_err(err("fd"))?;
+        // The replacement, `register_with_interest`, is `unsafe` (forbidden in this workspace);
+        // its safety condition holds here: the fd belongs to `socket`, which is declared after
+        // `fd` and so outlives the registration, and `SignalFd` always returns the same fd.
+        #[allow(deprecated)]
+        let fd = AsyncFd::with_interest(SignalFd(raw), Interest::READABLE)?;
+        guard.0 = None;
+        Ok(ZmqSocket {
+            fd,
+            socket,
+            kind,
+            slot,
+            weight: 1,
+        })
+    }
+
+    /// A SUB socket subscribed to `topic` (a prefix, as in ZMQ; `""` takes everything).
+    pub fn sub(topic: &str) -> Result<Self, SocketError> {
+        let s = Self::new(SocketType::SUB)?;
+        s.socket
+            .set_subscribe(topic.as_bytes())
+            .map_err(|e| SocketError::new("subscribe", topic, e))?;
+        Ok(s)
+    }
+
+    /// The high-water mark for both directions (vLLM's PUB uses 100,000).
+    pub fn set_hwm(&self, hwm: i32) -> Result<(), SocketError> {
+        let err = |e| SocketError::new("hwm", "", e);
+        self.socket.set_sndhwm(hwm).map_err(err)?;
+        self.socket.set_rcvhwm(hwm).map_err(err)
+    }
+
+    /// libzmq's redial pacing for connecting sockets: `initial` after a failure, doubling up
+    /// to `max` (libzmq's default is a fixed 100 ms).
+    pub fn set_reconnect(&self, initial: Duration, max: Duration) -> Result<(), SocketError> {
+        let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX);
+        let err = |e| SocketError::new("reconnect_ivl", "", e);
+        self.socket.set_reconnect_ivl(ms(initial)).map_err(err)?;
+        self.socket.set_reconnect_ivl_max(ms(max)).map_err(err)
+    }
+
+    /// The underlying libzmq socket, for options not wrapped here.
+    pub fn raw(&self) -> &zmq::Socket {
+        &self.socket
+    }
+
+    /// Binds `endpoint` (`tcp://*:PORT`, `tcp://HOST:0` for an ephemeral port) and returns the
+    /// endpoint actually bound. While `EADDRINUSE` may come from a socket of this process that
+    /// was just closed (libzmq tears listeners down in the background), it retries briefly.
+    pub async fn bind(&mut self, endpoint: &str) -> Result<String, SocketError> {
+        let mut attempt = 0;
+        loop {
+            match self.socket.bind(endpoint) {
+                Ok(()) => break,
+                Err(zmq::Error::EADDRINUSE) if attempt < BIND_ATTEMPTS => {
+                    attempt += 1;
+                    tokio::time::sleep(BIND_RETRY).await;
+                }
+                Err(e) => return Err(SocketError::new("bind", endpoint, e)),
+            }
+        }
+        match self.socket.get_last_endpoint() {
+            Ok(Ok(bound)) => Ok(bound),
+            Ok(Err(_)) => Ok(endpoint.to_owned()),
+            Err(e) => Err(SocketError::new("last_endpoint", endpoint, e)),
+        }
+    }
+
+    /// Connects to `endpoint`. Returns at once: libzmq dials in the background and keeps
+    /// redialing (every 100 ms by default) until the peer is there, and after every loss.
+    pub fn connect(&self, endpoint: &str) -> Result<(), SocketError> {
+        self.socket
+            .connect(endpoint)
+            .map_err(|e| SocketError::new("connect", endpoint, e))
+    }
+
+    /// The next multipart message, frames as received.
+    pub async fn recv(&mut self) -> Result<Vec<Vec<u8>>, SocketError> {
+        loop {
+            match self.socket.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => return Ok(frames),
+                Err(zmq::Error::EAGAIN) => wait(&self.fd).await?,
+                Err(e) => return Err(SocketError::new("recv", "", e)),
+            }
+        }
+    }
+
+    /// A message if one is queued, without waiting.
+    pub fn try_recv(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
+        match self.socket.recv_multipart(zmq::DONTWAIT) {
+            Ok(frames) => Ok(Some(frames)),
+            Err(zmq::Error::EAGAIN) => Ok(None),
+            Err(e) => Err(SocketError::new("recv", "", e)),
+        }
+    }
+
+    /// Sends one multipart message. Waits while the socket cannot take it (DEALER with no
+    /// peer, ROUTER/DEALER at the high-water mark); a PUB never waits: libzmq drops what no
+    /// subscriber can take, as for vLLM's PUB.
+    pub async fn send<F: AsRef<[u8]>>(&mut self, frames: &[F]) -> Result<(), SocketError> {
+        let last = frames.len().saturating_sub(1);
+        for (i, frame) in frames.iter().enumerate() {
+            let flags = zmq::DONTWAIT | if i < last { zmq::SNDMORE } else { 0 };
+            loop {
+                match self.socket.send(frame.as_ref(), flags) {
+                    Ok(()) => break,
+                    Err(zmq::Error::EAGAIN) => wait(&self.fd).await?,
+                    Err(e) => return Err(SocketError::new("send", "", e)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Lets libzmq process pending commands (new peers, subscriptions) while the socket is
+    /// otherwise idle; resolves after each wake. For sockets that only send (PUB).
+    pub async fn process_commands(&mut self) -> Result<(), SocketError> {
+        wait(&self.fd).await?;
+        self.socket
+            .get_events()
+            .map(|_| ())
+            .map_err(|e| SocketError::new("events", "", e))
+    }
+
+    /// Starts reporting connection events of this socket.
+    pub fn monitor(&mut self) -> Result<Monitor, SocketError> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let addr = format!("inproc://kinference-monitor-{}-{n}", std::process::id());
+        let events = zmq::SocketEvent::CONNECTED.to_raw()
+            | zmq::SocketEvent::ACCEPTED.to_raw()
+            | zmq::SocketEvent::DISCONNECTED.to_raw()
+            | zmq::SocketEvent::CONNECT_RETRIED.to_raw();
+        self.socket
+            .monitor(&addr, i32::from(events))
+            .map_err(|e| SocketError::new("monitor", &addr, e))?;
+        // libzmq's own monitor socket lives as long as this one.
+        self.slot.live.fetch_add(1, Ordering::Relaxed);
+        self.weight += 1;
+        // inproc reaches only sockets of the same context.
+        let pair = ZmqSocket::new_in(self.slot.clone(), SocketType::PAIR)?;
+        pair.connect(&addr)?;
+        Ok(Monitor { pair })
+    }
+}
+
+/// Waits until the signalling fd fires, then clears it; callers retry their operation. A free
+/// function over the fd alone, so that waiting borrows nothing of the (non-`Sync`) socket.
+async fn wait(fd: &AsyncFd<SignalFd>) -> Result<(), SocketError> {
+    let mut guard = fd.readable().await?;
+    guard.clear_ready();
+    Ok(())
+}
+
+/// A connection event of a monitored socket.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PeerEvent {
+    /// A connection was established (dialed or accepted).
+    Up,
+    /// A connection closed.
+    Down,
+    /// A dial failed (nobody listens yet); libzmq dials again after its reconnect interval.
+    Retry,
+}
+
+/// Connection events of one socket (libzmq's socket monitor over an inproc PAIR).
+#[derive(Debug)]
+pub struct Monitor {
+    pair: ZmqSocket,
+}
+
+impl Monitor {
+    /// The next up/down event.
+    pub async fn next(&mut self) -> Result<PeerEvent, SocketError> {
+        loop {
+            let frames = self.pair.recv().await?;
+            // Frame 0: event id (u16) and value (u32), native byte order; frame 1: address.
+            let Some(id) = frames.first().and_then(|f| f.get(..2)) else {
+                continue;
+            };
+            let id = u16::from_ne_bytes([id[0], id[1]]);
+            if id == zmq::SocketEvent::CONNECTED.to_raw()
+                || id == zmq::SocketEvent::ACCEPTED.to_raw()
+            {
+                return Ok(PeerEvent::Up);
+            }
+            if id == zmq::SocketEvent::DISCONNECTED.to_raw() {
+                return Ok(PeerEvent::Down);
+            }
+            if id == zmq::SocketEvent::CONNECT_RETRIED.to_raw() {
+                return Ok(PeerEvent::Retry);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn more_sockets_than_one_libzmq_context_holds() {
+        // libzmq refuses the 1024th socket of a context; a router with a thousand replicas
+        // needs about three thousand (SUB, its monitor, the monitor's peer).
+        let mut held = Vec::new();
+        for i in 0..1100 {
+            let mut s = ZmqSocket::sub("").unwrap_or_else(|e| panic!("socket {i}: {e}"));
+            let m = s.monitor().unwrap_or_else(|e| panic!("monitor {i}: {e}"));
+            held.push((s, m));
+        }
+        assert_eq!(held.len(), 1100);
+    }
+}

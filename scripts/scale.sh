@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# scale.sh - one simulator process with N replicas (KV events and replay on) and one router
+# subscribed to all of them: idle CPU of each process over 10 s (from /proc), resident memory,
+# and how many replicas the router sees up. Prints one Markdown table row per N.
+#
+# usage: scripts/scale.sh [BINARY]
+#   BINARY is a built `kinference`; without it `cargo build -p kinference` builds the debug one
+#   (say which build when recording numbers: debug and release differ a lot).
+# env: SCALE_NS           replica counts to run (default "96 256 1000")
+#      SCALE_IDLE_SECS    the idle window measured (default 10)
+#      SCALE_READY_SECS   how long to wait for every replica to be up (default 120)
+#      SCALE_ROUTER_ARGS  extra `kinference serve` flags, e.g. "--scrape-interval-ms 0" to see the
+#                         KV-event subscriptions' cost without /metrics scraping
+set -euo pipefail
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+SHARED=$(cd "$REPO/../shared" && pwd)
+TOKENIZER=$SHARED/golden/real_vllm_0.32/tiny-llama-tokenizer
+NS=${SCALE_NS:-96 256 1000}
+IDLE=${SCALE_IDLE_SECS:-10}
+READY=${SCALE_READY_SECS:-120}
+T0=$(date +%s)
+log() { echo "[scale +$(( $(date +%s) - T0 ))s] $*" >&2; }
+die() { log "error: $*"; exit 1; }
+
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
+
+WORK=$(mktemp -d)
+SIM_PID="" ROUTER_PID=""
+cleanup() {
+  stop "$ROUTER_PID"
+  stop "$SIM_PID"
+  rm -rf "$WORK"
+  return 0
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+BIN=${1:-}
+if [ -z "$BIN" ]; then
+  (cd "$REPO" && cargo build -q -p kinference)
+  BIN=${CARGO_TARGET_DIR:-$REPO/target}/debug/kinference
+fi
+[ -x "$BIN" ] || die "$BIN is not an executable"
+# A thousand replicas: ~3000 listening ports in the simulator, ~3000 sockets in the router.
+ulimit -n "$(ulimit -Hn)"
+TCK=$(getconf CLK_TCK)
+
+ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+rss_mib() { awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+
+# up_count ADMIN: replicas the router reports up.
+up_count() {
+  python3 - "$1" <<'PYEOF'
+import json, sys, urllib.request
+fleet = json.load(urllib.request.urlopen(f"{sys.argv[1]}/debug/replicas", timeout=10))
+reps = [r for p in fleet["pools"] for r in p["replicas"]]
+up = sum(r["health"] == "up" for r in reps)
+subscribed = sum(all(w["events"] and w["events"]["connected"] for w in r["workers"]) for r in reps)
+print(up, subscribed, len(reps))
+PYEOF
+}
+
+echo "| replicas | router CPU idle (% of a core) | simulator CPU idle | router RSS MiB | simulator RSS MiB | up / subscribed / replicas |"
+echo "|---|---|---|---|---|---|"
+for n in $NS; do
+  NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port 0 --replicas "$n" --model tiny \
+    --tokenizer "$TOKENIZER" --block-size 16 --num-gpu-blocks 1024 --speedup 1000 \
+    --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://*:0' \
+    >"$WORK/sim.out" 2>"$WORK/sim.err" &
+  SIM_PID=$!
+  wait_sim_replicas "$WORK/sim.out" "$SIM_PID" "$n" 120 || die "the simulator did not start"
+  flags=()
+  while read -r line; do
+    url=$(field "$line" url) ev=$(field "$line" events) rp=$(field "$line" replay)
+    flags+=(--replica "$url,events=$(dial "$ev"),replay=$(dial "$rp")")
+  done < <(grep '^replica=' "$WORK/sim.out")
+  NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model tiny \
+    --tokenizer "$TOKENIZER" --block-size 16 ${SCALE_ROUTER_ARGS:-} "${flags[@]}" \
+    >"$WORK/router.out" 2>"$WORK/router.err" &
+  ROUTER_PID=$!
+  read -r _ ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 60) ||
+    die "the router did not start"
+  if ! wait_router_ready "http://$ADMIN_ADDR" "$ROUTER_PID" "$n" "$READY" 2>"$WORK/ready.err"; then
+    log "n=$n: not every replica up and subscribed within ${READY}s (measuring anyway)"
+  fi
+  r0=$(ticks "$ROUTER_PID") s0=$(ticks "$SIM_PID")
+  sleep "$IDLE"
+  r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID")
+  read -r up subscribed total < <(up_count "http://$ADMIN_ADDR")
+  pct() { awk -v d="$1" -v t="$TCK" -v s="$IDLE" 'BEGIN {printf "%.1f", 100 * d / t / s}'; }
+  echo "| $n | $(pct $(( r1 - r0 ))) | $(pct $(( s1 - s0 ))) | $(rss_mib "$ROUTER_PID") | $(rss_mib "$SIM_PID") | $up / $subscribed / $total |"
+  stop "$ROUTER_PID"; ROUTER_PID=""
+  stop "$SIM_PID"; SIM_PID=""
+done
