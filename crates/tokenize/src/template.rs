@@ -420,7 +420,14 @@ mod tests {
 
     #[test]
     fn tags_that_share_their_percent_sign_are_syntax_errors_not_panics() {
-        for src in ["{%}", "a{%}b", "{%-}", "{%}%}", "{%%}", "{% generation %}{%}"] {
+        for src in [
+            "{%}",
+            "a{%}b",
+            "{%-}",
+            "{%}%}",
+            "{%%}",
+            "{% generation %}{%}",
+        ] {
             match ChatTemplate::new(src) {
                 Err(TokenizeError::TemplateSyntax(_)) => {}
                 other => panic!("{src:?}: {:?}", other.map(|t| t.source().to_string())),
