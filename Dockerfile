@@ -15,7 +15,8 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     cargo build --release --locked -p kinference -p kinfctl \
     && install -D -m 0755 target/release/kinference target/release/kinfctl -t /out/
 
-# distroless/cc: glibc, libgcc and CA certificates, no shell; nonroot is uid/gid 65532, the
+# distroless/cc: glibc, libgcc, libstdc++ (libzmq, built from source by the `zmq` crate, is C++)
+# and CA certificates, no shell; nonroot is uid/gid 65532, the
 # user the chart's securityContext asks for.
 FROM gcr.io/distroless/cc-debian12:nonroot
 COPY --from=build /out/ /usr/local/bin/
