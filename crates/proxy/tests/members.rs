@@ -102,6 +102,12 @@ async fn a_leaver_finishes_its_requests_and_leaves_the_index_at_once() {
 
     members.join("a", &[replica_with_events(&a)]).await.unwrap();
     members.set_source_state(None);
+    // libzmq connects in the background, and a PUB drops what it sends before a subscriber's
+    // subscription reaches it (vLLM's too): the first request waits for the connection.
+    proxy
+        .wait_for_events(&url_a, 0, WAIT, |h| h.connected)
+        .await
+        .unwrap();
     let (status, served) = post(
         &proxy,
         &json!({"model": MODEL, "prompt": prompt(0), "max_tokens": 1}),
