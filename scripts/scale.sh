@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # scale.sh - one simulator process with N replicas (KV events and replay on) and one router
 # subscribed to all of them: idle CPU of each process over 10 s (from /proc), resident memory,
-# and how many replicas the router sees up. Prints one Markdown table row per N.
+# how often the router scraped each replica's /metrics in that window, and how many replicas the
+# router sees up. Prints one Markdown table row per N.
 #
 # usage: scripts/scale.sh [BINARY]
 #   BINARY is a built `kinference`; without it `cargo build -p kinference` builds the debug one
@@ -10,7 +11,10 @@
 #      SCALE_IDLE_SECS    the idle window measured (default 10)
 #      SCALE_READY_SECS   how long to wait for every replica to be up (default 120)
 #      SCALE_ROUTER_ARGS  extra `kinference serve` flags, e.g. "--scrape-interval-ms 0" to see the
-#                         KV-event subscriptions' cost without /metrics scraping
+#                         KV-event subscriptions' cost without /metrics scraping, or
+#                         "--scrape-idle-interval-ms 0" to scrape every replica every interval
+#      SCALE_REQUIRE_ALL  1: fail (exit 1) unless every replica was up and subscribed at every N
+#                         (the CI short form)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -53,20 +57,23 @@ TCK=$(getconf CLK_TCK)
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 rss_mib() { awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
 
-# up_count ADMIN: replicas the router reports up.
-up_count() {
+# fleet_state ADMIN: replicas the router reports up, subscribed, in all, and the scrapes
+# (ok + failed) it made of all of them so far.
+fleet_state() {
   python3 - "$1" <<'PYEOF'
 import json, sys, urllib.request
 fleet = json.load(urllib.request.urlopen(f"{sys.argv[1]}/debug/replicas", timeout=10))
 reps = [r for p in fleet["pools"] for r in p["replicas"]]
 up = sum(r["health"] == "up" for r in reps)
 subscribed = sum(all(w["events"] and w["events"]["connected"] for w in r["workers"]) for r in reps)
-print(up, subscribed, len(reps))
+scrapes = sum(r["scrapes"]["ok"] + r["scrapes"]["failed"] for r in reps)
+print(up, subscribed, len(reps), scrapes)
 PYEOF
 }
 
-echo "| replicas | router CPU idle (% of a core) | simulator CPU idle | router RSS MiB | simulator RSS MiB | up / subscribed / replicas |"
-echo "|---|---|---|---|---|---|"
+echo "| replicas | router CPU idle (% of a core) | simulator CPU idle | scrapes per replica per s | router RSS MiB (KiB per replica) | simulator RSS MiB | up / subscribed / replicas |"
+echo "|---|---|---|---|---|---|---|"
+missing=0
 for n in $NS; do
   NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port 0 --replicas "$n" --model tiny \
     --tokenizer "$TOKENIZER" --block-size 16 --num-gpu-blocks 1024 --speedup 1000 \
@@ -88,12 +95,22 @@ for n in $NS; do
   if ! wait_router_ready "http://$ADMIN_ADDR" "$ROUTER_PID" "$n" "$READY" 2>"$WORK/ready.err"; then
     log "n=$n: not every replica up and subscribed within ${READY}s (measuring anyway)"
   fi
+  read -r _ _ _ scrapes0 < <(fleet_state "http://$ADMIN_ADDR")
   r0=$(ticks "$ROUTER_PID") s0=$(ticks "$SIM_PID")
   sleep "$IDLE"
   r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID")
-  read -r up subscribed total < <(up_count "http://$ADMIN_ADDR")
+  read -r up subscribed total scrapes1 < <(fleet_state "http://$ADMIN_ADDR")
   pct() { awk -v d="$1" -v t="$TCK" -v s="$IDLE" 'BEGIN {printf "%.1f", 100 * d / t / s}'; }
-  echo "| $n | $(pct $(( r1 - r0 ))) | $(pct $(( s1 - s0 ))) | $(rss_mib "$ROUTER_PID") | $(rss_mib "$SIM_PID") | $up / $subscribed / $total |"
+  rate=$(awk -v d=$(( scrapes1 - scrapes0 )) -v n="$n" -v s="$IDLE" 'BEGIN {printf "%.2f", d / n / s}')
+  rss=$(rss_mib "$ROUTER_PID")
+  per=$(awk -v m="$rss" -v n="$n" 'BEGIN {printf "%.0f", m * 1024 / n}')
+  echo "| $n | $(pct $(( r1 - r0 ))) | $(pct $(( s1 - s0 ))) | $rate | $rss ($per) | $(rss_mib "$SIM_PID") | $up / $subscribed / $total |"
+  if [ "$up" -ne "$n" ] || [ "$subscribed" -ne "$n" ] || [ "$total" -ne "$n" ]; then
+    missing=1
+  fi
   stop "$ROUTER_PID"; ROUTER_PID=""
   stop "$SIM_PID"; SIM_PID=""
 done
+if [ "${SCALE_REQUIRE_ALL:-0}" = 1 ] && [ "$missing" = 1 ]; then
+  die "not every replica was up and subscribed (SCALE_REQUIRE_ALL=1)"
+fi

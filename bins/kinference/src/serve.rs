@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// Timeout of one scrape, ms.
     #[arg(long, env = "KINFERENCE_SCRAPE_TIMEOUT_MS")]
     scrape_timeout_ms: Option<u64>,
+    /// Longest interval between scrapes of a quiet replica, ms (0: scrape every replica at
+    /// --scrape-interval-ms).
+    #[arg(long, env = "KINFERENCE_SCRAPE_IDLE_INTERVAL_MS")]
+    scrape_idle_interval_ms: Option<u64>,
     /// Data-plane threads [default: one per CPU].
     #[arg(long, env = "KINFERENCE_THREADS")]
     threads: Option<usize>,
@@ -238,6 +242,10 @@ impl ServeArgs {
             (self.drain_ms, &mut t.drain_ms),
             (self.scrape_interval_ms, &mut cfg.scrape.interval_ms),
             (self.scrape_timeout_ms, &mut cfg.scrape.timeout_ms),
+            (
+                self.scrape_idle_interval_ms,
+                &mut cfg.scrape.idle_interval_ms,
+            ),
         ] {
             if let Some(v) = flag {
                 *field = v;

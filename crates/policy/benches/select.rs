@@ -1,10 +1,11 @@
 //! Cost of one routing decision: `select` over N candidates for a 256-block prompt with
-//! speculative entries live, and `apply` of the decision.
+//! speculative entries live, and `apply` of the decision; then percentiles of individually
+//! timed decisions over 1,000 candidates (Criterion reports means only).
 
 use std::hint::black_box;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use criterion::{criterion_group, BenchmarkId, Criterion};
 use kinference_index::{ReplicaId, TierCounts, WorkerId};
 use kinference_policy::{Candidate, Load, Policy, PolicyConfig, RequestCtx};
 use kinference_vllm::{BlockHash, DpRank};
@@ -34,7 +35,7 @@ fn candidates(n: u32) -> Vec<Candidate> {
 fn bench_select(c: &mut Criterion) {
     let hashes: Vec<BlockHash> = (0..256).map(BlockHash).collect();
     let mut group = c.benchmark_group("select");
-    for n in [8u32, 64, 256] {
+    for n in [8u32, 64, 256, 1000] {
         let cands = candidates(n);
         let mut policy = Policy::new(PolicyConfig::default());
         // A few hundred recent decisions' speculative entries, as under load.
@@ -74,5 +75,60 @@ fn bench_select(c: &mut Criterion) {
     group.finish();
 }
 
+/// `select` + `apply` over `n` candidates, each decision timed alone, for a stream of
+/// prompts that vary (each shares a prefix with one of 64 earlier ones), with speculative
+/// entries accumulating as under load. Prints p50, p99, p99.9 and the maximum.
+fn decision_percentiles(n: u32, decisions: u64) {
+    let mut cands = candidates(n);
+    let mut policy = Policy::new(PolicyConfig::default());
+    let mut samples = Vec::with_capacity(decisions as usize);
+    for t in 0..decisions {
+        let hs: Vec<BlockHash> = (0..256)
+            .map(|b| {
+                BlockHash(if b < 128 {
+                    (t % 64) * 1000 + b
+                } else {
+                    t * 1000 + b
+                })
+            })
+            .collect();
+        // The cache counts the index lookup would give: the prefix's holders change.
+        for (i, c) in cands.iter_mut().enumerate() {
+            let held = (i as u64 + t).is_multiple_of(64);
+            c.cache.gpu = if held { 128 } else { 0 };
+            c.cache.any = c.cache.gpu;
+        }
+        let req = RequestCtx {
+            hashes: &hs,
+            prompt_tokens: 4096,
+            block_size: 16,
+            session: None,
+            ticket: t,
+        };
+        let now = Duration::from_millis(t);
+        let start = Instant::now();
+        let d = policy.select(&req, &cands, now);
+        policy.apply(&d, &hs, now);
+        samples.push(start.elapsed());
+        black_box(d);
+    }
+    samples.sort_unstable();
+    let at = |p: f64| samples[((samples.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "decision over {n} candidates ({decisions} timed): p50 {:?} p99 {:?} p99.9 {:?} max {:?}",
+        at(0.5),
+        at(0.99),
+        at(0.999),
+        samples[samples.len() - 1]
+    );
+}
+
 criterion_group!(benches, bench_select);
-criterion_main!(benches);
+
+fn main() {
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+    // Full size only under `cargo bench` (which passes --bench); a smoke size otherwise.
+    let full = std::env::args().any(|a| a == "--bench");
+    decision_percentiles(1000, if full { 100_000 } else { 100 });
+}

@@ -199,7 +199,19 @@ pub struct ReplicaStatus {
     /// over ranks, as last scraped.
     pub prefix_cache_hits: Option<f64>,
     pub prefix_cache_queries: Option<f64>,
+    /// This router's scrapes of the replica's `/metrics` since it joined.
+    #[serde(default)]
+    pub scrapes: ScrapeCounts,
     pub workers: Vec<WorkerStatus>,
+}
+
+/// Scrape ticks of one replica by outcome ([`ReplicaStatus::scrapes`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScrapeCounts {
+    pub ok: u64,
+    pub failed: u64,
+    /// Ticks that skipped the replica because it was quiet (`scrape.idle_interval_ms`).
+    pub idle: u64,
 }
 
 /// The labels of `vllm:cache_config_info` the router checks.

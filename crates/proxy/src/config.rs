@@ -143,6 +143,12 @@ pub struct Scrape {
     pub interval_ms: u64,
     /// Timeout of one scrape, milliseconds.
     pub timeout_ms: u64,
+    /// Longest wait between scrapes of a quiet replica, milliseconds: one that answered its
+    /// last scrape with nothing running or waiting, has no request from this router in flight
+    /// or started since, and whose KV-event streams neither sent anything nor changed state.
+    /// Anything else brings it back to `interval_ms`. 0 (or a value not above `interval_ms`)
+    /// scrapes every replica every `interval_ms`.
+    pub idle_interval_ms: u64,
 }
 
 impl Default for Scrape {
@@ -150,6 +156,7 @@ impl Default for Scrape {
         Scrape {
             interval_ms: 1_000,
             timeout_ms: 2_000,
+            idle_interval_ms: 5_000,
         }
     }
 }

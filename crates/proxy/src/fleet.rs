@@ -34,7 +34,7 @@ use kinference_vllm::{BlockHasher, DpRank, Lora};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::watch;
 
-use crate::api::{CacheConfigStatus, Health, LoadStatus};
+use crate::api::{CacheConfigStatus, Health, LoadStatus, ScrapeCounts};
 use crate::config::{
     Config, Endpoint, EventSource, InferencePoolRef, PoolConfig, ReplicaSpec, Resolved,
     ResolvedPool, ResolvedReplica, Timeouts,
@@ -51,6 +51,8 @@ pub(crate) struct Settings {
     pub max_attempts: u32,
     pub expose_endpoint_header: bool,
     pub scrape_interval: Option<Duration>,
+    /// Longest wait between scrapes of a quiet replica (never below `scrape_interval`).
+    pub scrape_idle_interval: Duration,
     pub scrape_timeout: Duration,
 }
 
@@ -292,6 +294,7 @@ pub(crate) struct ReplicaInfo {
     pub events_error: Option<String>,
     pub prefix_cache_hits: Option<f64>,
     pub prefix_cache_queries: Option<f64>,
+    pub scrapes: ScrapeCounts,
 }
 
 /// One vLLM API server with `workers.len()` DP ranks.
@@ -386,6 +389,8 @@ pub(crate) struct WorkerLoad {
     pub kv_usage: AtomicU64,
     pub in_flight: AtomicU32,
     pub prefill: AtomicU64,
+    /// Requests this router started on the worker, ever (tells the scraper it was used).
+    pub started: AtomicU64,
 }
 
 impl WorkerLoad {
@@ -436,6 +441,7 @@ impl InFlight {
         if let Some(w) = replica.workers.get(rank) {
             w.in_flight.fetch_add(1, Ordering::Relaxed);
             w.prefill.fetch_add(prefill, Ordering::Relaxed);
+            w.started.fetch_add(1, Ordering::Relaxed);
         }
         bump(&changed);
         InFlight {
@@ -516,6 +522,9 @@ pub(crate) async fn build(
         expose_endpoint_header: cfg.expose_endpoint_header,
         scrape_interval: (cfg.scrape.interval_ms > 0)
             .then(|| Duration::from_millis(cfg.scrape.interval_ms)),
+        scrape_idle_interval: Duration::from_millis(
+            cfg.scrape.idle_interval_ms.max(cfg.scrape.interval_ms),
+        ),
         scrape_timeout: Duration::from_millis(cfg.scrape.timeout_ms.max(1)),
     };
     let fleet = Fleet {

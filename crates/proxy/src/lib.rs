@@ -89,7 +89,7 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-pub use api::{ReadyResponse, ReplicasResponse};
+pub use api::{ReadyResponse, ReplicasResponse, ScrapeCounts};
 pub use config::{
     parse_policy, Config, ConfigError, ConfigErrors, EventSourceError, EventsSpec,
     InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec, UrlError,

@@ -182,6 +182,8 @@ pub(crate) struct Metrics {
     pub upstream_failures: ReplicaFamily<ReplicaKind, Counter>,
     pub client_disconnects: Family<RouteLabel, Counter>,
     pub tokenize_fallbacks: Family<PoolKind, Counter>,
+    /// `kind` = ok | failed | idle (a tick that skipped a quiet replica).
+    pub scrapes: Family<PoolKind, Counter>,
 }
 
 impl Metrics {
@@ -199,6 +201,7 @@ impl Metrics {
             upstream_failures: ReplicaFamily::new(Family::default()),
             client_disconnects: Family::default(),
             tokenize_fallbacks: Family::default(),
+            scrapes: Family::default(),
         }
     }
 
@@ -277,6 +280,12 @@ impl Metrics {
             "kinference_tokenize_fallbacks",
             "Requests routed by load only because their prompt could not be tokenized",
             self.tokenize_fallbacks.clone(),
+        );
+        r.register(
+            "kinference_replica_scrapes",
+            "Scrape ticks of the replicas' /metrics by pool and outcome: ok, failed, or idle \
+             (skipped: the replica was quiet since its last scrape, see scrape.idle_interval_ms)",
+            self.scrapes.clone(),
         );
         r.register_collector(Box::new(StateCollector { snapshot }));
         r

@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use kinference_events::WorkerHealth;
 use kinference_vllm::metrics::text;
@@ -163,14 +164,17 @@ pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
     let text = match got {
         Ok((status, body)) if status.is_success() => String::from_utf8_lossy(&body).into_owned(),
         Ok((status, _)) => {
+            count(fleet, pool, replica, Tick::Failed);
             mark_down(fleet, replica, format!("/metrics answered {status}"));
             return;
         }
         Err(e) => {
+            count(fleet, pool, replica, Tick::Failed);
             mark_down(fleet, replica, format!("/metrics: {e}"));
             return;
         }
     };
+    count(fleet, pool, replica, Tick::Ok);
     let s = parse(&text);
     let dp = replica.dp_size();
     if dp == 1 {
@@ -245,19 +249,163 @@ fn mark_down(fleet: &Fleet, replica: &Replica, error: String) {
     fleet.bump();
 }
 
-/// Scrapes a replica every `interval` until aborted.
+/// How often a replica is scraped: every `every` while anything happens on it, every `idle`
+/// at most while it is quiet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Cadence {
+    pub every: Duration,
+    pub idle: Duration,
+}
+
+/// What the router can see of a replica without asking it, sampled at each tick.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Activity {
+    /// Requests this router started on it, ever.
+    pub started: u64,
+    /// Requests from this router in flight on it now.
+    pub in_flight: u64,
+    /// KV-event messages received from it, ever.
+    pub messages: u64,
+    /// How many of its event streams are connected.
+    pub connected: usize,
+}
+
+/// What the last scrape left behind.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct LastScrape {
+    /// Activity sampled just before it.
+    pub activity: Activity,
+    /// It failed, or found something running or waiting: load is moving, keep watching.
+    pub busy: bool,
+    pub elapsed: Duration,
+}
+
+/// Whether a replica is due for a scrape at this tick. A quiet replica (nothing running or
+/// waiting at the last scrape, no request from this router since, no KV event since, event
+/// streams as connected as before) waits up to `idle`: its load cannot have changed unless
+/// another router sent it work, and that work would show as KV events. A dead replica's
+/// event streams disconnect, which brings its scrape back within one `every`.
+pub(crate) fn due(cadence: Cadence, last: &LastScrape, now: &Activity) -> bool {
+    last.busy
+        || last.elapsed >= cadence.idle
+        || now.in_flight > 0
+        || now.started != last.activity.started
+        || now.messages != last.activity.messages
+        || now.connected != last.activity.connected
+}
+
+/// The router-side activity of `replica`.
+fn activity(pool: &Pool, replica: &Replica) -> Activity {
+    let mut a = Activity::default();
+    for w in &replica.workers {
+        a.started += w.started.load(std::sync::atomic::Ordering::Relaxed);
+        a.in_flight += u64::from(w.in_flight.load(std::sync::atomic::Ordering::Relaxed));
+    }
+    if let Some(plane) = pool.plane() {
+        for rank in 0..replica.dp_size() {
+            if let Some(h) = plane.health(replica.worker(rank)) {
+                a.messages += h.messages;
+                a.connected += usize::from(h.connected);
+            }
+        }
+    }
+    a
+}
+
+/// Where in the interval a replica's scrapes fall: spread by its URL, so that a thousand
+/// replicas added at once are not scraped in one burst every interval.
+fn phase(url: &str, every: Duration) -> Duration {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    url.hash(&mut h);
+    let nanos = u64::try_from(every.as_nanos()).unwrap_or(u64::MAX).max(1);
+    Duration::from_nanos(h.finish() % nanos)
+}
+
+/// Scrapes a replica at once, then on its phase of every `every` tick that [`due`] allows,
+/// until aborted.
 pub(crate) async fn run(
     fleet: Arc<Fleet>,
     pool: Arc<Pool>,
     replica: Arc<Replica>,
-    interval: std::time::Duration,
+    every: Duration,
 ) {
-    let mut tick = tokio::time::interval(interval);
+    let cadence = Cadence {
+        every,
+        idle: fleet.settings.scrape_idle_interval.max(every),
+    };
+    let (mut last, mut at) = scrape_now(&fleet, &pool, &replica).await;
+    tokio::time::sleep(phase(replica.url(), every)).await;
+    let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        scrape_once(&fleet, &pool, &replica).await;
+        last.elapsed = at.elapsed();
+        if due(cadence, &last, &activity(&pool, &replica)) {
+            (last, at) = scrape_now(&fleet, &pool, &replica).await;
+        } else {
+            count(&fleet, &pool, &replica, Tick::Idle);
+            fleet.bump();
+        }
     }
+}
+
+/// One scrape, and what [`due`] needs to remember of it.
+async fn scrape_now(
+    fleet: &Fleet,
+    pool: &Pool,
+    replica: &Replica,
+) -> (LastScrape, tokio::time::Instant) {
+    let at = tokio::time::Instant::now();
+    // Sampled before the scrape: what happens during it counts as news at the next tick.
+    let activity = activity(pool, replica);
+    scrape_once(fleet, pool, replica).await;
+    let busy = replica.health() != crate::api::Health::Up
+        || replica.workers.iter().any(|w| {
+            w.running.load(std::sync::atomic::Ordering::Relaxed) > 0
+                || w.waiting.load(std::sync::atomic::Ordering::Relaxed) > 0
+        });
+    let last = LastScrape {
+        activity,
+        busy,
+        elapsed: Duration::ZERO,
+    };
+    (last, at)
+}
+
+/// A scrape tick's outcome.
+#[derive(Clone, Copy, Debug)]
+enum Tick {
+    Ok,
+    Failed,
+    /// Skipped: the replica was quiet.
+    Idle,
+}
+
+/// Counts one scrape tick of `replica`, in its status and in the pool's metric.
+fn count(fleet: &Fleet, pool: &Pool, replica: &Replica, tick: Tick) {
+    let kind = {
+        let c = &mut replica.info.lock().scrapes;
+        match tick {
+            Tick::Ok => {
+                c.ok += 1;
+                "ok"
+            }
+            Tick::Failed => {
+                c.failed += 1;
+                "failed"
+            }
+            Tick::Idle => {
+                c.idle += 1;
+                "idle"
+            }
+        }
+    };
+    let labels = crate::metrics::PoolKind {
+        pool: pool.name.clone(),
+        kind,
+    };
+    fleet.metrics.scrapes.get_or_create(&labels).inc();
 }
 
 #[cfg(test)]
@@ -349,6 +497,80 @@ vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 2
         // ... and one matching root among the recent ones clears the worker.
         let mixed = health_with(Some(16), &[(&theirs, 1), (&ours, 100)]);
         assert_eq!(event_unscorable_reason(16, &ours, &mixed), None);
+    }
+
+    const CADENCE: Cadence = Cadence {
+        every: Duration::from_secs(1),
+        idle: Duration::from_secs(5),
+    };
+
+    fn quiet(elapsed_s: u64) -> LastScrape {
+        LastScrape {
+            activity: Activity {
+                started: 7,
+                in_flight: 0,
+                messages: 40,
+                connected: 2,
+            },
+            busy: false,
+            elapsed: Duration::from_secs(elapsed_s),
+        }
+    }
+
+    #[test]
+    fn a_quiet_replica_waits_for_the_idle_interval() {
+        let last = quiet(1);
+        assert!(!due(CADENCE, &last, &last.activity));
+        assert!(!due(CADENCE, &quiet(4), &last.activity));
+        assert!(due(CADENCE, &quiet(5), &last.activity));
+    }
+
+    #[test]
+    fn any_news_makes_a_replica_due_at_the_next_tick() {
+        let last = quiet(1);
+        let news = [
+            Activity {
+                started: 8,
+                ..last.activity
+            },
+            Activity {
+                in_flight: 1,
+                ..last.activity
+            },
+            Activity {
+                messages: 41,
+                ..last.activity
+            },
+            // A dead replica's event streams drop: its scrape must not wait.
+            Activity {
+                connected: 1,
+                ..last.activity
+            },
+        ];
+        for now in news {
+            assert!(due(CADENCE, &last, &now), "{now:?}");
+        }
+        let busy = LastScrape {
+            busy: true,
+            ..quiet(1)
+        };
+        assert!(due(CADENCE, &busy, &busy.activity));
+    }
+
+    #[test]
+    fn phases_spread_over_the_interval() {
+        let every = Duration::from_secs(1);
+        let mut tenths = [0u32; 10];
+        for i in 0..1000 {
+            let p = phase(&format!("http://10.0.{}.{}:8000", i / 250, i % 250), every);
+            assert!(p < every);
+            tenths[(p.as_millis() / 100) as usize] += 1;
+        }
+        // Uniform would be 100 per tenth; no burst holds a large share.
+        assert!(
+            tenths.iter().all(|&n| (50..=150).contains(&n)),
+            "{tenths:?}"
+        );
     }
 
     #[test]

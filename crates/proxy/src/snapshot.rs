@@ -105,6 +105,7 @@ fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -
         events_error: info.events_error.clone(),
         prefix_cache_hits: info.prefix_cache_hits,
         prefix_cache_queries: info.prefix_cache_queries,
+        scrapes: info.scrapes,
         workers,
     }
 }

@@ -1176,3 +1176,66 @@ async fn a_stream_that_goes_silent_ends_with_an_error_event() {
     wait_idle(&proxy).await;
     proxy.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_replica_is_scraped_less_and_any_news_brings_its_scrape_back() {
+    let s = sim(SimOpts {
+        events: true,
+        ..SimOpts::default()
+    })
+    .await;
+    let mut cfg = config(vec![pool(vec![replica_with_events(&s)], precise(0))]);
+    // Ticks every 50 ms; a quiet replica would wait a minute, longer than this test runs, so
+    // every scrape after the first is one that news caused.
+    cfg.scrape.idle_interval_ms = 60_000;
+    let proxy = router(cfg).await;
+    let url = url(s.addr);
+    proxy
+        .wait_for_events(&url, 0, WAIT, |h| h.connected)
+        .await
+        .unwrap();
+    let scrapes = |st: &ReplicasResponse| st.pools[0].replicas[0].scrapes;
+    let quiet = proxy
+        .wait_until(WAIT, |st| scrapes(st).idle >= 3)
+        .await
+        .unwrap_or_else(|st| panic!("no tick was skipped: {st:#?}"));
+    let ok = scrapes(&quiet).ok;
+    assert_eq!(quiet.pools[0].replicas[0].health, Health::Up);
+    // More quiet ticks, no scrape.
+    let later = proxy
+        .wait_until(WAIT, |st| scrapes(st).idle >= scrapes(&quiet).idle + 3)
+        .await
+        .unwrap();
+    assert_eq!(scrapes(&later).ok, ok, "{later:#?}");
+
+    // A request (and the KV events it causes) is news: scraped again, then quiet again.
+    let r = post(
+        proxy.data_addr(),
+        "/v1/completions",
+        &completion(&prompt(1, "Why?"), 2),
+    )
+    .await;
+    assert_eq!(r.status, 200, "{}", r.body);
+    let busy = proxy
+        .wait_until(WAIT, |st| scrapes(st).ok > ok)
+        .await
+        .unwrap_or_else(|st| panic!("the request brought no scrape: {st:#?}"));
+    let settled = proxy
+        .wait_until(WAIT, |st| scrapes(st).idle >= scrapes(&busy).idle + 3)
+        .await
+        .unwrap_or_else(|st| panic!("the replica never turned quiet again: {st:#?}"));
+    let ok = scrapes(&settled).ok;
+
+    // A dead replica's event stream drops: it is scraped (and found down) at the next tick,
+    // not a minute later.
+    s.shutdown();
+    let down = proxy
+        .wait_until(WAIT, |st| st.pools[0].replicas[0].health == Health::Down)
+        .await
+        .unwrap_or_else(|st| panic!("the dead replica was not found down: {st:#?}"));
+    assert!(
+        scrapes(&down).failed >= 1 && scrapes(&down).ok == ok,
+        "{down:#?}"
+    );
+    proxy.shutdown().await;
+}
