@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures::StreamExt;
 use parking_lot::Mutex;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -189,17 +190,23 @@ async fn dispatch(
     cancel: CancellationToken,
 ) {
     let mut monitor_open = true;
+    let peers = transport::peer_events(&mut stream.monitor);
+    tokio::pin!(peers);
     loop {
         let (route, event) = tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
-            ev = stream.monitor.next(), if monitor_open => {
+            ev = peers.next(), if monitor_open => {
                 let event = match ev {
-                    Ok(PeerEvent::Up) => ReaderEvent::PeerUp,
-                    Ok(PeerEvent::Down) => ReaderEvent::PeerDown,
-                    Ok(PeerEvent::Retry) => continue,
-                    Err(e) => {
+                    Some(Ok(PeerEvent::Up)) => ReaderEvent::PeerUp,
+                    Some(Ok(PeerEvent::Down)) => ReaderEvent::PeerDown,
+                    Some(Ok(PeerEvent::Retry)) => continue,
+                    Some(Err(e)) => {
                         tracing::warn!(%endpoint, error = %e, "connection monitor failed");
+                        monitor_open = false;
+                        continue;
+                    }
+                    None => {
                         monitor_open = false;
                         continue;
                     }

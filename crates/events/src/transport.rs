@@ -6,12 +6,13 @@
 //! socket from the moment it exists.
 
 use bytes::Bytes;
+use futures::{Stream, StreamExt};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::backoff::{Backoff, BackoffConfig};
 use crate::error::EventsError;
-use crate::socket::{Monitor, PeerEvent, SocketType, ZmqSocket};
+use crate::socket::{Monitor, PeerEvent, SocketError, SocketType, ZmqSocket};
 
 /// What the reader task reports to its subscriber, in arrival order.
 #[derive(Debug)]
@@ -60,6 +61,19 @@ pub(crate) async fn open_sub(
     })
 }
 
+/// The monitor's events as a stream that keeps its pending receive between polls. A reader
+/// that called [`Monitor::next`] afresh on every turn of its loop would ask libzmq each time,
+/// and a receive that finds nothing costs a `poll` system call on the monitor's signal fd: one
+/// per message with many quiet sockets. The kept receive only runs when that fd fires.
+pub(crate) fn peer_events(
+    monitor: &mut Monitor,
+) -> impl Stream<Item = Result<PeerEvent, SocketError>> + '_ {
+    futures::stream::unfold(monitor, |m| async move {
+        let event = m.next().await;
+        Some((event, m))
+    })
+}
+
 /// Reads `stream` until cancelled, forwarding everything to `tx`. Ends when `tx` closes.
 pub(crate) async fn run_reader(
     mut stream: SubStream,
@@ -80,16 +94,22 @@ async fn read_until_cancelled(
 ) {
     let mut backoff = Backoff::new(backoff, seed);
     let mut monitor_open = true;
+    let peers = peer_events(&mut stream.monitor);
+    tokio::pin!(peers);
     loop {
         let event = tokio::select! {
             biased;
             _ = cancel.cancelled() => return,
-            ev = stream.monitor.next(), if monitor_open => match ev {
-                Ok(PeerEvent::Up) => ReaderEvent::PeerUp,
-                Ok(PeerEvent::Down) => ReaderEvent::PeerDown,
-                Ok(PeerEvent::Retry) => ReaderEvent::DialFailed,
-                Err(e) => {
+            ev = peers.next(), if monitor_open => match ev {
+                Some(Ok(PeerEvent::Up)) => ReaderEvent::PeerUp,
+                Some(Ok(PeerEvent::Down)) => ReaderEvent::PeerDown,
+                Some(Ok(PeerEvent::Retry)) => ReaderEvent::DialFailed,
+                Some(Err(e)) => {
                     tracing::warn!(error = %e, "connection monitor failed");
+                    monitor_open = false;
+                    continue;
+                }
+                None => {
                     monitor_open = false;
                     continue;
                 }
