@@ -59,6 +59,7 @@
 pub mod api;
 pub mod config;
 pub mod error;
+mod limits;
 mod metrics;
 mod usage;
 // Talking to replicas:
@@ -73,6 +74,7 @@ mod snapshot;
 // One request, top down: body → decide → forward; the two ports:
 mod admin;
 mod body;
+mod conn;
 mod decide;
 mod forward;
 mod server;
@@ -82,7 +84,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use kinference_events::{EventsError, WorkerHealth};
 use kinference_vllm::DpRank;
 use tokio::net::TcpListener;
@@ -91,8 +92,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use api::{ReadyResponse, ReplicasResponse};
 pub use config::{
-    parse_policy, Config, ConfigError, ConfigErrors, EventSourceError, EventsSpec,
-    InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec, UrlError,
+    parse_policy, AdminAuth, AdminToken, Config, ConfigError, ConfigErrors, EventSourceError,
+    EventsSpec, InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec,
+    UrlError,
 };
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers};
@@ -101,6 +103,9 @@ use crate::admin::AdminState;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
+
+/// Connections the admin port keeps open at once (its own, apart from `max_connections`).
+const ADMIN_CONNECTIONS: usize = 256;
 
 /// With discovered pools: removes, every 10 s, the metric series a leaver's request that was
 /// still running wrote after the leave (the leave itself removes the rest).
@@ -162,6 +167,7 @@ impl Proxy {
         admin: TcpListener,
     ) -> Result<Proxy, StartError> {
         let metrics = Metrics::new();
+        let resolved_admin_token = resolved.admin_token.clone();
         let upstream = Upstream::new(config.timeouts.connect(), config.timeouts.pool_idle());
         let (fleet, discoveries) =
             fleet::build(&config, resolved, metrics.clone(), upstream).await?;
@@ -210,12 +216,14 @@ impl Proxy {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
         let data = data.into_std()?;
+        let places = conn::Places::new(config.limits.max_connections);
         let mut servers = Vec::with_capacity(threads + 1);
         for i in 0..threads {
             let shard = Shard {
                 index: i,
                 listener: data.try_clone()?,
                 fleet: fleet.clone(),
+                places: places.clone(),
                 stop: stop.clone(),
                 cut: cut.clone(),
             };
@@ -238,8 +246,20 @@ impl Proxy {
         let admin_app = admin::router(Arc::new(AdminState {
             fleet: fleet.clone(),
             registry,
+            token: resolved_admin_token,
+            open_metrics: config.admin_auth.open_metrics,
         }));
-        servers.push(tokio::spawn(serve(admin, admin_app, stop.clone(), "admin")));
+        // The admin port has places of its own: a flood of the data port must not cut off
+        // probes and scrapes.
+        servers.push(tokio::spawn(conn::serve(
+            admin,
+            admin_app,
+            stop.clone(),
+            "admin",
+            conn::Places::new(ADMIN_CONNECTIONS),
+            conn::ConnRules::new(&config.timeouts, &config.limits),
+            fleet.metrics.limits.clone(),
+        )));
         tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), threads, "router started");
         Ok(Proxy {
             data_addr,
@@ -411,6 +431,8 @@ struct Shard {
     index: usize,
     listener: std::net::TcpListener,
     fleet: Arc<Fleet>,
+    /// `limits.max_connections`, shared by every shard.
+    places: Arc<conn::Places>,
     stop: CancellationToken,
     cut: CancellationToken,
 }
@@ -441,6 +463,7 @@ impl Shard {
             index: _,
             listener,
             fleet,
+            places,
             stop,
             cut,
         } = self;
@@ -467,33 +490,15 @@ impl Shard {
         rt.block_on(async move {
             let t = &fleet.settings.timeouts;
             let upstream = Upstream::new(t.connect(), t.pool_idle());
+            let rules = conn::ConnRules::new(t, &fleet.settings.limits);
+            let metrics = fleet.metrics.limits.clone();
             let app = server::router(fleet, upstream);
             tokio::select! {
-                () = serve(listener, app, stop, "data") => {}
+                () = conn::serve(listener, app, stop, "data", places, rules, metrics) => {}
                 () = cut.cancelled() => {}
             }
         });
         // Dropping the runtime drops every connection still open on this thread.
         drop(rt);
-    }
-}
-
-async fn serve(
-    listener: TcpListener,
-    app: axum::Router,
-    stop: CancellationToken,
-    port: &'static str,
-) {
-    let listener = listener.tap_io(|tcp| {
-        // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
-        }
-    });
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await;
-    if let Err(e) = served {
-        tracing::error!(port, error = %e, "server stopped");
     }
 }

@@ -27,6 +27,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::api::{Health, ReplicasResponse};
+use crate::limits::LimitMetrics;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct RequestLabels {
@@ -182,6 +183,8 @@ pub(crate) struct Metrics {
     pub upstream_failures: ReplicaFamily<ReplicaKind, Counter>,
     pub client_disconnects: Family<RouteLabel, Counter>,
     pub tokenize_fallbacks: Family<PoolKind, Counter>,
+    /// Shedding, client-side timeouts, connections (`crate::limits`).
+    pub limits: LimitMetrics,
 }
 
 impl Metrics {
@@ -199,6 +202,7 @@ impl Metrics {
             upstream_failures: ReplicaFamily::new(Family::default()),
             client_disconnects: Family::default(),
             tokenize_fallbacks: Family::default(),
+            limits: LimitMetrics::default(),
         }
     }
 
@@ -278,6 +282,7 @@ impl Metrics {
             "Requests routed by load only because their prompt could not be tokenized",
             self.tokenize_fallbacks.clone(),
         );
+        self.limits.register(&mut r);
         r.register_collector(Box::new(StateCollector { snapshot }));
         r
     }
