@@ -30,7 +30,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+use tokio::sync::{Notify, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -261,6 +261,9 @@ struct ConnState {
     /// The client speaks HTTP/2: bytes between requests are frames, not heads.
     h2: AtomicBool,
     first_read: AtomicBool,
+    /// Wakes the watchdog when a deadline may have moved earlier (a head began, the last
+    /// request ended).
+    changed: Notify,
 }
 
 impl ConnState {
@@ -273,6 +276,7 @@ impl ConnState {
             head_since: AtomicU64::new(NONE),
             h2: AtomicBool::new(false),
             first_read: AtomicBool::new(false),
+            changed: Notify::new(),
         }
     }
 
@@ -294,6 +298,7 @@ impl ConnState {
             && !self.h2.load(Ordering::Relaxed)
         {
             self.head_since.store(self.now(), Ordering::Relaxed);
+            self.changed.notify_one();
         }
     }
 
@@ -317,15 +322,26 @@ impl ConnState {
     }
 }
 
-/// Waits until the connection expires (a request in flight defers it; re-checked at least
-/// every `min(header_read, keep_alive)`).
+/// Waits until the connection expires; re-evaluated when the state changes, and at least
+/// every `min(header_read, keep_alive)` while a request is in flight.
 async fn watchdog(state: &ConnState, rules: &ConnRules) -> Expiry {
     let recheck = rules.header_read.min(rules.keep_alive);
+    // One timer for the connection's life, moved as the deadline moves.
+    let timer = tokio::time::sleep(recheck);
+    tokio::pin!(timer);
     loop {
-        match state.deadline(rules) {
+        let changed = state.changed.notified();
+        let wake = match state.deadline(rules) {
             Some((at, why)) if state.now() >= at => return why,
-            Some((at, _)) => tokio::time::sleep_until(state.at(at)).await,
-            None => tokio::time::sleep(recheck).await,
+            Some((at, _)) => state.at(at),
+            None => Instant::now() + recheck,
+        };
+        if timer.deadline() != wake {
+            timer.as_mut().reset(wake);
+        }
+        tokio::select! {
+            () = &mut timer => {}
+            () = changed => {}
         }
     }
 }
@@ -348,6 +364,7 @@ impl Drop for Active {
         let s = &self.0;
         if s.active.fetch_sub(1, Ordering::Relaxed) == 1 {
             s.idle_since.store(s.now(), Ordering::Relaxed);
+            s.changed.notify_one();
         }
     }
 }

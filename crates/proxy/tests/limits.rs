@@ -248,6 +248,31 @@ async fn a_trickling_body_gets_408_and_an_idle_connection_is_closed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_begun_on_a_kept_alive_connection_has_the_head_timeout_not_the_idle_one() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.header_read_ms = 200;
+    // Longer than the test waits: only the head timeout can close the connection in time.
+    cfg.timeouts.keep_alive_ms = 10 * WAIT.as_millis() as u64;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
+    assert_eq!(status, 200);
+    s.write_all(b"GET /health HTTP/1.1\r\nho").await.unwrap();
+    closed_by_router(s).await;
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"kinference_client_timeouts_total{port="data",kind="header_read"}"#
+        ),
+        1.0,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_connection_cap_pauses_accepting_and_resumes_when_one_closes() {
     let ok = replica(200, open()).await;
     let mut cfg = config(&[ok], "least-load");
@@ -496,6 +521,41 @@ async fn speculative_entries_follow_the_outcome() {
             r#"kinference_retries_total{pool="tiny",kind="unavailable"}"#
         ) >= 1.0,
         "the 503 replica was tried: {page}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_are_served_through_the_same_accept_loop() {
+    let ok = replica(200, open()).await;
+    let proxy = Proxy::start(config(&[ok], "least-load")).await.unwrap();
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let mut answers = Vec::new();
+    for i in 0..4 {
+        let c = client.clone();
+        let url = format!("http://{}/v1/completions", proxy.data_addr());
+        answers.push(tokio::spawn(async move {
+            c.post(url)
+                .header("content-type", "application/json")
+                .body(completion(i))
+                .send()
+                .await
+                .unwrap()
+        }));
+    }
+    for a in answers {
+        let resp = a.await.unwrap();
+        assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+        assert_eq!(resp.status(), 200);
+    }
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(&page, r#"kinference_client_connections{port="data"}"#),
+        1.0,
+        "four requests as streams of one connection: {page}"
     );
     proxy.shutdown().await;
 }
