@@ -1346,6 +1346,59 @@ pools:
     }
 
     #[test]
+    fn limits_and_admin_auth_parse_and_validate() {
+        let dir = std::env::temp_dir().join(format!("kinf-admin-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "  s3cret\n").unwrap();
+        let text = format!(
+            r#"
+timeouts: {{header_read_ms: 5000, keep_alive_ms: 30000, queue_ms: 100}}
+limits: {{max_connections: 100, max_in_flight: 8, max_queue: 0, min_body_rate_bytes_per_s: 0}}
+admin_auth: {{token_file: {token}, open_metrics: true}}
+pools:
+  - models: [a]
+    tokenizer: {tok}
+    block_size: 16
+    replicas: [http://127.0.0.1:8001]
+"#,
+            token = token.display(),
+            tok = tokenizer_dir()
+        );
+        let cfg = Config::parse(&text).unwrap();
+        assert_eq!(cfg.limits.max_in_flight, 8);
+        assert_eq!(cfg.timeouts.header_read(), Duration::from_secs(5));
+        let resolved = cfg.resolve().unwrap();
+        assert_eq!(resolved.admin_token, AdminToken::new("s3cret"));
+        assert_eq!(
+            format!("{:?}", resolved.admin_token),
+            "Some(AdminToken(..))"
+        );
+
+        let mut both = cfg.clone();
+        both.admin_auth.token = AdminToken::new("other");
+        assert_eq!(both.validate()[0].path, "admin_auth.token_file");
+        std::fs::write(&token, "\n").unwrap();
+        assert!(
+            cfg.validate()[0].message.contains("no token"),
+            "{:?}",
+            cfg.validate()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let mut zero = cfg.clone();
+        zero.admin_auth = AdminAuth::default();
+        zero.limits.max_connections = 0;
+        zero.timeouts.header_read_ms = 0;
+        let paths: Vec<String> = zero.validate().into_iter().map(|e| e.path).collect();
+        assert_eq!(
+            paths,
+            ["timeouts.header_read_ms", "limits.max_connections"],
+            "{paths:?}"
+        );
+    }
+
+    #[test]
     fn replica_flag() {
         let r = ReplicaSpec::from_flag(
             "http://127.0.0.1:8001,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5558,dp=2",

@@ -4,9 +4,12 @@
 //! # Request flow
 //!
 //! ```text
-//!  client ─HTTP/1.1|h2─▶ data port (TCP_NODELAY)
+//!  client ─HTTP/1.1|h2─▶ data port (TCP_NODELAY; conn.rs: ≤ max_connections, else accepting
+//!                        pauses; a head within header_read_ms, idle ≤ keep_alive_ms)
 //!    POST /v1/completions | /v1/chat/completions
-//!      read body (≤ max_body_bytes, else 413) ── parse `model` (400) ── pool lookup (404)
+//!      read body (≤ max_body_bytes, else 413; slower than body_read_ms + min rate: 408)
+//!      parse `model` (400) ── pool lookup (404) ── the pool's gate: a place among
+//!        max_in_flight, or a wait in its queue (full or timed out: 429, 503 if no replica up)
 //!      tokenize once, as vLLM does ── block hashes (pool's block size, algorithm, seed,
 //!                                     LoRA, cache_salt)
 //!      decide::route: one index read lock (longest_prefix) + load atomics per worker
@@ -15,7 +18,9 @@
 //!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503)
 //!      stream the response back frame by frame: first byte releases predicted prefill
 //!        tokens, cached_tokens is read from usage as it passes, the body owns the in-flight
-//!        guard
+//!        guard and the gate's place
+//!      speculative entries kept if the first choice answered, moved to the fallback that
+//!        answered, taken back if every replica refused or failed before a response head
 //!    GET /v1/models: every pool's models, described by the replicas
 //!    anything else: passed through to the least loaded replica of the request's pool
 //!
@@ -23,7 +28,8 @@
 //!               vllm:cache_config_info → scorable or not; health)
 //!  discovered pools: PoolMembers handles (join / leave while running; see members.rs)
 //!  per pool:    EventPlane (ZMQ SUB per DP rank → index), policy expiry task
-//!  admin port:  /metrics /healthz /readyz /debug/explain /debug/replicas
+//!  admin port:  /metrics /livez /healthz /readyz /debug/explain /debug/replicas (a bearer
+//!               token for all but the probes when admin_auth has one)
 //! ```
 //!
 //! # Invariants
