@@ -24,6 +24,32 @@ pub struct AdminArgs {
     /// Seconds to wait for each answer of the admin port.
     #[arg(long, default_value_t = 10)]
     timeout_secs: u64,
+    /// A file holding the router's admin token (`admin_auth` of `kinference serve`); the
+    /// token itself may come from KINFERENCE_ADMIN_TOKEN instead (never from a flag).
+    #[arg(long, env = "KINFERENCE_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<std::path::PathBuf>,
+}
+
+/// The environment variable holding the admin token itself.
+const ADMIN_TOKEN_ENV: &str = "KINFERENCE_ADMIN_TOKEN";
+
+impl AdminArgs {
+    /// The bearer token to send: from `--admin-token-file`, else `KINFERENCE_ADMIN_TOKEN`.
+    fn token(&self) -> Result<Option<String>> {
+        let text = match &self.admin_token_file {
+            Some(path) => std::fs::read_to_string(path)
+                .with_context(|| format!("reading the admin token from {}", path.display()))?,
+            None => match std::env::var(ADMIN_TOKEN_ENV) {
+                Ok(t) => t,
+                Err(_) => return Ok(None),
+            },
+        };
+        let t = text.trim();
+        if t.is_empty() {
+            bail!("the admin token is empty");
+        }
+        Ok(Some(t.to_owned()))
+    }
 }
 
 #[derive(Debug, clap::Args)]
@@ -36,9 +62,10 @@ pub struct StatusArgs {
 }
 
 /// A client of one router's admin port.
-#[derive(Debug)]
 pub struct Admin {
     base: String,
+    /// Sent as `Authorization: Bearer` when set.
+    token: Option<String>,
     http: reqwest::Client,
     rt: tokio::runtime::Runtime,
 }
@@ -63,7 +90,13 @@ impl Admin {
             .enable_all()
             .build()
             .context("starting the async runtime")?;
-        Ok(Admin { base, http, rt })
+        let token = args.token()?;
+        Ok(Admin {
+            base,
+            token,
+            http,
+            rt,
+        })
     }
 
     pub fn base(&self) -> &str {
@@ -94,6 +127,10 @@ impl Admin {
         ok: &[u16],
     ) -> Result<T> {
         let base = &self.base;
+        let req = match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        };
         let (status, bytes) = self.rt.block_on(async {
             let resp = req.send().await.with_context(|| {
                 format!("cannot reach the router's admin port at {base} (is `kinference serve --admin` listening there?)")
@@ -399,6 +436,7 @@ mod tests {
         let args = AdminArgs {
             admin: "127.0.0.1:9090/".into(),
             timeout_secs: 1,
+            admin_token_file: None,
         };
         assert_eq!(Admin::new(&args).unwrap().base(), "http://127.0.0.1:9090");
     }

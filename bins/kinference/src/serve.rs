@@ -110,7 +110,48 @@ pub struct ServeArgs {
     /// Name the serving replica in x-kinference-endpoint response headers.
     #[arg(long, env = "KINFERENCE_EXPOSE_ENDPOINT_HEADER")]
     expose_endpoint_header: bool,
+
+    /// Client connections open at once (the accept loop pauses at the cap).
+    #[arg(long, env = "KINFERENCE_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
+    /// Requests of one pool forwarded at once (0: no limit).
+    #[arg(long, env = "KINFERENCE_MAX_IN_FLIGHT")]
+    max_in_flight: Option<usize>,
+    /// Requests of one pool waiting for a place; beyond it, 429.
+    #[arg(long, env = "KINFERENCE_MAX_QUEUE")]
+    max_queue: Option<usize>,
+    /// Longest wait in a pool's queue, ms; then 429.
+    #[arg(long, env = "KINFERENCE_QUEUE_TIMEOUT_MS")]
+    queue_timeout_ms: Option<u64>,
+    /// Time for a client's request head, ms.
+    #[arg(long, env = "KINFERENCE_HEADER_READ_TIMEOUT_MS")]
+    header_read_timeout_ms: Option<u64>,
+    /// Time for a client's request body before the minimum rate applies, ms.
+    #[arg(long, env = "KINFERENCE_BODY_READ_TIMEOUT_MS")]
+    body_read_timeout_ms: Option<u64>,
+    /// Slowest request body accepted after the body read timeout, bytes/s (0: none).
+    #[arg(long, env = "KINFERENCE_MIN_BODY_RATE_BYTES_PER_S")]
+    min_body_rate_bytes_per_s: Option<u64>,
+    /// Idle client connections are closed after this, ms.
+    #[arg(long, env = "KINFERENCE_KEEP_ALIVE_TIMEOUT_MS")]
+    keep_alive_timeout_ms: Option<u64>,
+    /// HTTP/2 streams one client connection may have open at once.
+    #[arg(long, env = "KINFERENCE_H2_MAX_CONCURRENT_STREAMS")]
+    h2_max_concurrent_streams: Option<u32>,
+    /// Retry-After of a shed request, seconds.
+    #[arg(long, env = "KINFERENCE_RETRY_AFTER_S")]
+    retry_after_s: Option<u32>,
+    /// A file holding the admin port's bearer token (the token itself: KINFERENCE_ADMIN_TOKEN,
+    /// never a flag).
+    #[arg(long, env = "KINFERENCE_ADMIN_TOKEN_FILE")]
+    admin_token_file: Option<PathBuf>,
+    /// Serve the admin port's /metrics without the token.
+    #[arg(long, env = "KINFERENCE_ADMIN_OPEN_METRICS")]
+    admin_open_metrics: bool,
 }
+
+/// The environment variable holding the admin token itself.
+const ADMIN_TOKEN_ENV: &str = "KINFERENCE_ADMIN_TOKEN";
 
 impl ServeArgs {
     fn has_pool_flags(&self) -> bool {
@@ -246,10 +287,46 @@ impl ServeArgs {
                 self.scrape_idle_interval_ms,
                 &mut cfg.scrape.idle_interval_ms,
             ),
+            (self.queue_timeout_ms, &mut t.queue_ms),
+            (self.header_read_timeout_ms, &mut t.header_read_ms),
+            (self.body_read_timeout_ms, &mut t.body_read_ms),
+            (self.keep_alive_timeout_ms, &mut t.keep_alive_ms),
+            (
+                self.min_body_rate_bytes_per_s,
+                &mut cfg.limits.min_body_rate_bytes_per_s,
+            ),
         ] {
             if let Some(v) = flag {
                 *field = v;
             }
+        }
+        let l = &mut cfg.limits;
+        for (flag, field) in [
+            (self.max_connections, &mut l.max_connections),
+            (self.max_in_flight, &mut l.max_in_flight),
+            (self.max_queue, &mut l.max_queue),
+        ] {
+            if let Some(v) = flag {
+                *field = v;
+            }
+        }
+        if let Some(v) = self.h2_max_concurrent_streams {
+            l.h2_max_concurrent_streams = v;
+        }
+        if let Some(v) = self.retry_after_s {
+            l.retry_after_s = v;
+        }
+        if let Some(f) = &self.admin_token_file {
+            cfg.admin_auth.token_file = Some(f.clone());
+        }
+        if let Ok(token) = std::env::var(ADMIN_TOKEN_ENV) {
+            cfg.admin_auth.token = Some(
+                kinference_proxy::AdminToken::new(&token)
+                    .with_context(|| format!("{ADMIN_TOKEN_ENV} is set but empty"))?,
+            );
+        }
+        if self.admin_open_metrics {
+            cfg.admin_auth.open_metrics = true;
         }
         if let Some(v) = self.max_body_bytes {
             cfg.limits.max_body_bytes = v;

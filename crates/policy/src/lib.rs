@@ -7,6 +7,7 @@
 //!   Policy::select(&ctx, &candidates, now) ──▶ Decision { ranked, reason, scores }   (no effects)
 //!   caller: forward to decision.ranked[0] (fall back down the list), then
 //!   Policy::apply(&decision, ctx.hashes, now)   (speculative entries, approximate tree)
+//!   Policy::undo(applied, ctx.hashes, now)      (the worker refused or failed before answering)
 //! ```
 //!
 //! Invariants:
@@ -25,6 +26,6 @@ mod tracker;
 mod types;
 
 pub use config::{ApproximateConfig, ConfigError, PolicyConfig, PreciseConfig};
-pub use policy::Policy;
-pub use tracker::PrefixTracker;
+pub use policy::{Applied, Policy};
+pub use tracker::{Inserted, PrefixTracker};
 pub use types::{Candidate, Decision, Load, Reason, RequestCtx, Score};

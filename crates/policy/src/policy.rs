@@ -7,8 +7,13 @@ use kinference_vllm::BlockHash;
 
 use crate::config::{PolicyConfig, PreciseConfig};
 use crate::score::{self, Credit};
-use crate::tracker::PrefixTracker;
+use crate::tracker::{Inserted, PrefixTracker};
 use crate::types::{Candidate, Decision, Reason, RequestCtx};
+
+/// What one [`Policy::apply`] recorded, to take back with [`Policy::undo`] (empty for
+/// policies that keep no record).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Applied(Option<Inserted>);
 
 /// A configured policy. `select` is pure; `apply` records a decision's effects.
 #[derive(Clone, Debug)]
@@ -112,9 +117,19 @@ impl Policy {
 
     /// Records a decision's effects on this policy's state: the chosen worker is assumed to
     /// hold the request's blocks from `now` (speculatively, or in the approximate record).
-    pub fn apply(&mut self, decision: &Decision, hashes: &[BlockHash], now: Duration) {
-        if let (Some(t), Some(w)) = (self.tracker.as_mut(), decision.chosen()) {
-            t.insert(w, hashes, now);
+    /// The receipt takes them back ([`Policy::undo`]) if the worker never ran the request.
+    pub fn apply(&mut self, decision: &Decision, hashes: &[BlockHash], now: Duration) -> Applied {
+        match (self.tracker.as_mut(), decision.chosen()) {
+            (Some(t), Some(w)) => Applied(Some(t.insert(w, hashes, now))),
+            _ => Applied(None),
+        }
+    }
+
+    /// Takes back what [`Policy::apply`] recorded for a request its worker refused or failed
+    /// before answering (`hashes` as given to `apply`): entries a later request refreshed stay.
+    pub fn undo(&mut self, applied: Applied, hashes: &[BlockHash], now: Duration) {
+        if let (Some(t), Some(receipt)) = (self.tracker.as_mut(), applied.0) {
+            t.undo(receipt, hashes, now);
         }
     }
 

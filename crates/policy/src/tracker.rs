@@ -6,7 +6,10 @@
 //! pair moves its deadline; at most `capacity` pairs are kept, the one with the earliest
 //! deadline (the least recently routed, as all entries share one TTL) leaving first. Expired
 //! and superseded entries are dropped lazily by [`PrefixTracker::insert`] and
-//! [`PrefixTracker::expire`], so lookups never mutate.
+//! [`PrefixTracker::expire`], so lookups never mutate. An insertion can be taken back
+//! ([`PrefixTracker::undo`], with the [`Inserted`] receipt `insert` returned): each pair it set
+//! and that nothing has refreshed since returns to what it was before (absent, or its earlier
+//! deadline), so a guess about a request that never ran leaves nothing behind.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -54,13 +57,19 @@ impl PrefixTracker {
         self.len == 0
     }
 
-    /// Records that `worker` was sent `hashes` at `now`.
+    /// Records that `worker` was sent `hashes` at `now`; the receipt takes it back
+    /// ([`PrefixTracker::undo`]).
     ///
     /// `now` must not go backwards between calls; a call with an earlier `now` is treated as
     /// happening at the latest time seen, so deadlines stay ordered.
-    pub fn insert(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Duration) {
-        if self.ttl.is_zero() {
-            return;
+    pub fn insert(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Duration) -> Inserted {
+        let mut receipt = Inserted {
+            worker,
+            first_stamp: 0,
+            before: Vec::new(),
+        };
+        if self.ttl.is_zero() || hashes.is_empty() {
+            return receipt;
         }
         let now = self
             .order
@@ -68,12 +77,14 @@ impl PrefixTracker {
             .map_or(now, |&(d, _, _, _)| now.max(d.saturating_sub(self.ttl)));
         self.expire(now);
         let deadline = now.saturating_add(self.ttl);
-        for &h in hashes {
+        receipt.first_stamp = self.stamp + 1;
+        for (i, &h) in hashes.iter().enumerate() {
             let holders = self.live.entry(h).or_default();
             self.stamp += 1;
             let stamp = self.stamp;
             match holders.iter_mut().find(|(w, _, _)| *w == worker) {
                 Some(entry) => {
+                    receipt.before.push((i as u32, entry.1, entry.2));
                     entry.1 = deadline;
                     entry.2 = stamp;
                 }
@@ -93,6 +104,54 @@ impl PrefixTracker {
         // the live set so memory stays bounded under a hot prefix.
         if self.order.len() > 2 * self.len + 1024 {
             self.compact();
+        }
+        receipt
+    }
+
+    /// Takes back the insertion `receipt` records, `hashes` being the ones it was given: each
+    /// pair it set that nothing refreshed since is removed, or set back to its earlier
+    /// deadline when that is still ahead of `now`. Pairs refreshed by a later insertion belong
+    /// to that one and stay.
+    pub fn undo(&mut self, receipt: Inserted, hashes: &[BlockHash], now: Duration) {
+        if receipt.first_stamp == 0 {
+            return;
+        }
+        let mut before = receipt.before.iter().rev().peekable();
+        // Backwards, so that a hash listed twice ends as it was before the first listing.
+        for (i, &h) in hashes.iter().enumerate().rev() {
+            let stamp = receipt.first_stamp + i as u64;
+            let prior = match before.peek() {
+                Some(&&(j, deadline, s)) if j as usize == i => {
+                    before.next();
+                    Some((deadline, s))
+                }
+                _ => None,
+            };
+            let Some(holders) = self.live.get_mut(&h) else {
+                continue;
+            };
+            let Some(k) = holders
+                .iter()
+                .position(|&(w, _, s)| w == receipt.worker && s == stamp)
+            else {
+                continue;
+            };
+            match prior {
+                Some((deadline, s)) if deadline > now => {
+                    holders[k].1 = deadline;
+                    holders[k].2 = s;
+                    // The queue element of that earlier deadline may have been compacted
+                    // away; one more keeps the pair expiring (a duplicate pops as stale).
+                    self.order.push_back((deadline, s, h, receipt.worker));
+                }
+                _ => {
+                    holders.swap_remove(k);
+                    self.len -= 1;
+                    if holders.is_empty() {
+                        self.live.remove(&h);
+                    }
+                }
+            }
         }
     }
 
@@ -175,6 +234,16 @@ impl PrefixTracker {
                 .is_some_and(|hs| hs.iter().any(|&(w, _, s)| w == worker && s == stamp))
         });
     }
+}
+
+/// What one [`PrefixTracker::insert`] changed, to take it back with [`PrefixTracker::undo`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Inserted {
+    worker: WorkerId,
+    /// The stamp of the first hash; hash `i` got `first_stamp + i` (0: nothing inserted).
+    first_stamp: u64,
+    /// (position, deadline, stamp) of the pairs that existed before, in position order.
+    before: Vec<(u32, Duration, u64)>,
 }
 
 /// Block hashes are already uniformly distributed digests: one multiply spreads them over the

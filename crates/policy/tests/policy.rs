@@ -370,6 +370,60 @@ fn speculation_keeps_a_burst_together_until_it_expires() {
 }
 
 #[test]
+fn an_undone_speculation_leaves_nothing_and_spares_what_others_recorded() {
+    let mut p = precise();
+    let c = fleet(4);
+    let h = hashes(5, 16);
+    let t0 = Duration::from_secs(1);
+    let d = p.select(&ctx(&h, 1), &c, t0);
+    let refused = p.apply(&d, &h, t0);
+    assert_eq!(p.tracked_entries(), 16);
+    p.undo(refused, &h, t0);
+    assert_eq!(
+        p.tracked_entries(),
+        0,
+        "the refused request's entries are gone"
+    );
+    let again = p.select(&ctx(&h, 1), &c, t0);
+    assert_eq!(again.reason, Reason::NoCache);
+
+    // A request the worker answered, then one it refused for the same prefix: undoing the
+    // second brings back the first's entries with their own deadline.
+    let answered = p.apply(&d, &h, t0);
+    drop(answered);
+    let t1 = t0 + Duration::from_millis(500);
+    let refused = p.apply(&d, &h, t1);
+    p.undo(refused, &h, t1);
+    assert_eq!(p.tracked_entries(), 16);
+    let ttl = PreciseConfig::default().speculative_ttl;
+    let s = p.select(&ctx(&h, 2), &c, t0 + ttl - Duration::from_millis(1));
+    assert_eq!(
+        s.scores[0].speculative_blocks, 16,
+        "still the answered one's"
+    );
+    let s = p.select(&ctx(&h, 2), &c, t0 + ttl + Duration::from_millis(1));
+    assert_eq!(
+        s.scores[0].speculative_blocks, 0,
+        "its deadline, not the refused one's"
+    );
+
+    // A refusal undone after a later request refreshed the entries leaves them to that one.
+    let t2 = t0 + ttl * 3;
+    let refused = p.apply(&d, &h, t2);
+    let later = t2 + Duration::from_millis(100);
+    let _kept = p.apply(&d, &h, later);
+    p.undo(refused, &h, later);
+    let s = p.select(&ctx(&h, 3), &c, later);
+    assert_eq!(s.scores[0].speculative_blocks, 16);
+    p.expire(later + ttl);
+    assert_eq!(
+        p.tracked_entries(),
+        0,
+        "restored and refreshed entries still expire"
+    );
+}
+
+#[test]
 fn speculation_does_not_double_count_confirmed_blocks() {
     let mut p = precise();
     let mut c = fleet(2);

@@ -1,21 +1,28 @@
-//! The admin port: Prometheus `/metrics`, `/healthz`, `/readyz`, `POST /debug/explain` and
-//! `GET /debug/replicas`. Nothing here forwards a request or changes routing state.
+//! The admin port: Prometheus `/metrics`, `/livez` (= `/healthz`), `/readyz`,
+//! `POST /debug/explain` and `GET /debug/replicas`. Nothing here forwards a request or changes
+//! routing state.
 //!
-//! Invariant: `/debug/explain` runs the same parsing, tokenization and `select` as the data
+//! Invariants: `/debug/explain` runs the same parsing, tokenization and `select` as the data
 //! plane, without `apply`, so explaining a request never changes where the next one goes.
+//! With a token configured (`admin_auth`), every path but the probes needs
+//! `Authorization: Bearer TOKEN` (`/metrics` too unless `open_metrics`), compared in constant
+//! time; a refusal is a 401 in OpenAI's error shape, counted.
 
 use std::sync::Arc;
 
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use prometheus_client::registry::Registry;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
+use subtle::ConstantTimeEq;
 
+use crate::api::{ErrorBody, ErrorDetail};
 use crate::body::read_body;
+use crate::config::AdminToken;
 use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
@@ -26,19 +33,61 @@ use crate::snapshot;
 pub(crate) struct AdminState {
     pub fleet: Arc<Fleet>,
     pub registry: Registry,
+    /// The bearer token every path but the probes needs (`None`: no authentication).
+    pub token: Option<AdminToken>,
+    /// `/metrics` without the token.
+    pub open_metrics: bool,
+}
+
+impl AdminState {
+    /// `None` when the request may go on; else the 401 to answer.
+    fn refuse(&self, headers: &HeaderMap) -> Option<Response> {
+        let want = self.token.as_ref()?;
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+            .map(<[u8]>::trim_ascii);
+        if given.is_some_and(|g| bool::from(g.ct_eq(want.as_bytes()))) {
+            return None;
+        }
+        self.fleet.metrics.limits.admin_unauthorized.inc();
+        let message = if given.is_some() {
+            "the bearer token is wrong"
+        } else {
+            "this path needs `Authorization: Bearer TOKEN` (the router's admin token)"
+        };
+        let body = ErrorBody {
+            error: ErrorDetail {
+                message: message.to_owned(),
+                kind: "AuthenticationError".to_owned(),
+                param: None,
+                code: 401,
+            },
+        };
+        let mut resp = json_response(StatusCode::UNAUTHORIZED, &body);
+        resp.headers_mut()
+            .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        Some(resp)
+    }
 }
 
 pub(crate) fn router(state: Arc<AdminState>) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
+        .route("/livez", get(healthz))
         .route("/readyz", get(readyz))
         .route("/debug/explain", post(explain))
         .route("/debug/replicas", get(replicas))
         .with_state(state)
 }
 
-async fn metrics(State(s): State<Arc<AdminState>>) -> Response {
+async fn metrics(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if !s.open_metrics {
+        if let Some(refused) = s.refuse(&headers) {
+            return refused;
+        }
+    }
     let text = crate::metrics::render(&s.registry);
     let mut resp = (StatusCode::OK, text).into_response();
     resp.headers_mut().insert(
@@ -71,8 +120,11 @@ struct Probe {
 /// `POST /debug/explain[?api=chat|completions]` with a request body: the decision, not
 /// forwarded. Without `api`, a body with `messages` is a chat request.
 async fn explain(State(s): State<Arc<AdminState>>, req: Request) -> Response {
+    if let Some(refused) = s.refuse(req.headers()) {
+        return refused;
+    }
     let query = req.uri().query().unwrap_or("").to_owned();
-    let (parts, body) = match read_body(s.fleet.settings.max_body_bytes, req).await {
+    let (parts, body) = match read_body(&s.fleet, "admin", req).await {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -96,6 +148,9 @@ async fn explain(State(s): State<Arc<AdminState>>, req: Request) -> Response {
     }
 }
 
-async fn replicas(State(s): State<Arc<AdminState>>) -> Response {
+async fn replicas(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Some(refused) = s.refuse(&headers) {
+        return refused;
+    }
     json_response(StatusCode::OK, &snapshot::take(&s.fleet))
 }

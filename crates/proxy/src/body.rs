@@ -1,19 +1,52 @@
-//! Reading a client's request: the whole body within the configured limit, and the target
-//! path as forwarded. Shared by both ports.
+//! Reading a client's request: the whole body within the configured size and time, and the
+//! target path as forwarded. Shared by both ports.
 //!
-//! Invariant: a body over the limit is refused (413) before or while it is read, never
-//! buffered beyond the limit.
+//! Invariants: a body over the limit is refused (413) before or while it is read, never
+//! buffered beyond the limit. A body that trickles is cut (408) once it is later than
+//! `timeouts.body_read_ms` plus the time `limits.min_body_rate_bytes_per_s` allows for what
+//! has arrived; a body that is already there costs no timer.
+
+use std::time::Duration;
 
 use axum::extract::Request;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::header;
 use http::request::Parts;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
+use tokio::time::Instant;
 
 use crate::error::RequestError;
+use crate::fleet::Fleet;
 
-/// Reads a whole request body, refusing more than `limit` bytes.
-pub(crate) async fn read_body(limit: usize, req: Request) -> Result<(Parts, Bytes), RequestError> {
+/// Reads a whole request body within the fleet's size and time limits; a body cut for its
+/// slowness is counted under `port`.
+pub(crate) async fn read_body(
+    fleet: &Fleet,
+    port: &'static str,
+    req: Request,
+) -> Result<(Parts, Bytes), RequestError> {
+    let s = &fleet.settings;
+    let read = read_within(
+        s.max_body_bytes,
+        s.timeouts.body_read(),
+        s.limits.min_body_rate_bytes_per_s,
+        req,
+    )
+    .await;
+    if let Err(RequestError::BodyTimeout { .. }) = &read {
+        fleet.metrics.limits.timeout(port, "body_read");
+    }
+    read
+}
+
+/// Reads a whole body of at most `limit` bytes that arrives within `grace` plus
+/// `received / min_rate` seconds.
+async fn read_within(
+    limit: usize,
+    grace: Duration,
+    min_rate: u64,
+    req: Request,
+) -> Result<(Parts, Bytes), RequestError> {
     let (parts, body) = req.into_parts();
     let declared = parts
         .headers
@@ -23,13 +56,61 @@ pub(crate) async fn read_body(limit: usize, req: Request) -> Result<(Parts, Byte
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(RequestError::TooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok((parts, c.to_bytes())),
-        Err(e) if e.downcast_ref::<LengthLimitError>().is_some() => {
-            Err(RequestError::TooLarge { limit })
+    let start = Instant::now();
+    let allowed = |received: usize| {
+        let extra = if min_rate == 0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(received as f64 / min_rate as f64)
+        };
+        start + grace.saturating_add(extra)
+    };
+    let mut body = Limited::new(body, limit);
+    // Created unpolled: it joins the timer wheel only if the body is not all there yet.
+    let late = tokio::time::sleep_until(allowed(0));
+    tokio::pin!(late);
+    let mut chunks: Vec<Bytes> = Vec::new();
+    let mut received = 0usize;
+    loop {
+        tokio::select! {
+            biased;
+            frame = body.frame() => match frame {
+                None => break,
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        received += data.len();
+                        chunks.push(data);
+                    }
+                }
+                Some(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
+                    return Err(RequestError::TooLarge { limit });
+                }
+                Some(Err(e)) => return Err(RequestError::ClientBody(e.to_string())),
+            },
+            () = &mut late => {
+                let deadline = allowed(received);
+                if Instant::now() >= deadline {
+                    return Err(RequestError::BodyTimeout {
+                        received,
+                        elapsed_ms: start.elapsed().as_millis() as u64,
+                    });
+                }
+                late.as_mut().reset(deadline);
+            }
         }
-        Err(e) => Err(RequestError::ClientBody(e.to_string())),
     }
+    let bytes = match chunks.len() {
+        0 => Bytes::new(),
+        1 => chunks.pop().unwrap_or_default(),
+        _ => {
+            let mut all = BytesMut::with_capacity(received);
+            for c in chunks {
+                all.extend_from_slice(&c);
+            }
+            all.freeze()
+        }
+    };
+    Ok((parts, bytes))
 }
 
 /// The request target as forwarded: path and query.
@@ -38,4 +119,62 @@ pub(crate) fn path_and_query(parts: &Parts) -> String {
         .uri
         .path_and_query()
         .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+
+    use super::*;
+    use axum::body::Body;
+    use futures_util::StreamExt;
+
+    /// A body that sends `chunk` bytes every `every`, `n` times.
+    fn trickle(chunk: usize, every: Duration, n: usize) -> Request {
+        let s = futures_util::stream::iter(0..n).then(move |_| async move {
+            tokio::time::sleep(every).await;
+            Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; chunk]))
+        });
+        Request::new(Body::from_stream(s))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_trickling_body_is_cut_and_a_steady_one_is_not() {
+        let grace = Duration::from_secs(10);
+        // 1 byte a second: far below 100 B/s once the grace period is over.
+        let slow = trickle(1, Duration::from_secs(1), 1000);
+        let err = read_within(1 << 20, grace, 100, slow).await.unwrap_err();
+        assert!(
+            matches!(err, RequestError::BodyTimeout { received: 10, .. }),
+            "{err:?}"
+        );
+        assert_eq!(err.status(), http::StatusCode::REQUEST_TIMEOUT);
+
+        // 200 B/s for 60 s: past the grace period, but above the rate.
+        let steady = trickle(200, Duration::from_secs(1), 60);
+        let (_, body) = read_within(1 << 20, grace, 100, steady).await.unwrap();
+        assert_eq!(body.len(), 12_000);
+
+        // Without a rate, the grace period bounds the whole body.
+        let steady = trickle(200, Duration::from_secs(1), 60);
+        let err = read_within(1 << 20, grace, 0, steady).await.unwrap_err();
+        assert!(matches!(err, RequestError::BodyTimeout { .. }), "{err:?}");
+    }
+
+    #[tokio::test]
+    async fn size_limits_still_hold() {
+        let req = Request::new(Body::from(vec![0u8; 100]));
+        let err = read_within(10, Duration::from_secs(1), 0, req)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, RequestError::TooLarge { limit: 10 }),
+            "{err:?}"
+        );
+        let req = Request::new(Body::from(vec![7u8; 100]));
+        let (_, b) = read_within(100, Duration::from_secs(1), 0, req)
+            .await
+            .unwrap();
+        assert_eq!(b.len(), 100);
+    }
 }

@@ -38,6 +38,8 @@ pub struct Config {
     pub limits: Limits,
     #[serde(default)]
     pub scrape: Scrape,
+    #[serde(default)]
+    pub admin_auth: AdminAuth,
     /// Add `x-kinference-endpoint: host:port` (and `x-kinference-dp-rank`) to responses, naming
     /// the replica that served them. Off by default: it reveals internal addresses.
     #[serde(default)]
@@ -78,6 +80,21 @@ pub struct Timeouts {
     /// keep-alive (vLLM's `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`, 5 s by default), so that a replica
     /// never closes a connection as a request is being written to it.
     pub pool_idle_ms: u64,
+    /// Client side: a request head must arrive whole within this, counted from its first byte
+    /// (or from the connection's start, for its first request); else the connection is closed.
+    pub header_read_ms: u64,
+    /// Client side: a request body must arrive within this plus the time
+    /// `limits.min_body_rate_bytes_per_s` allows for the bytes received so far; else 408.
+    pub body_read_ms: u64,
+    /// Client side: a connection with no request in flight is closed after this.
+    pub keep_alive_ms: u64,
+    /// Longest wait of a request queued for one of its pool's `limits.max_in_flight` places;
+    /// then 429.
+    pub queue_ms: u64,
+    /// HTTP/2 clients: a PING after this much silence (0: none) ...
+    pub h2_keep_alive_interval_ms: u64,
+    /// ... and the connection is closed when its answer takes longer than this.
+    pub h2_keep_alive_timeout_ms: u64,
 }
 
 impl Default for Timeouts {
@@ -89,6 +106,12 @@ impl Default for Timeouts {
             total_ms: 0,
             drain_ms: 10_000,
             pool_idle_ms: 4_000,
+            header_read_ms: 10_000,
+            body_read_ms: 30_000,
+            keep_alive_ms: 60_000,
+            queue_ms: 10_000,
+            h2_keep_alive_interval_ms: 20_000,
+            h2_keep_alive_timeout_ms: 20_000,
         }
     }
 }
@@ -113,6 +136,25 @@ impl Timeouts {
     pub fn pool_idle(&self) -> Duration {
         Duration::from_millis(self.pool_idle_ms)
     }
+    pub fn header_read(&self) -> Duration {
+        Duration::from_millis(self.header_read_ms)
+    }
+    pub fn body_read(&self) -> Duration {
+        Duration::from_millis(self.body_read_ms)
+    }
+    pub fn keep_alive(&self) -> Duration {
+        Duration::from_millis(self.keep_alive_ms)
+    }
+    pub fn queue(&self) -> Duration {
+        Duration::from_millis(self.queue_ms)
+    }
+    pub fn h2_keep_alive_interval(&self) -> Option<Duration> {
+        (self.h2_keep_alive_interval_ms > 0)
+            .then(|| Duration::from_millis(self.h2_keep_alive_interval_ms))
+    }
+    pub fn h2_keep_alive_timeout(&self) -> Duration {
+        Duration::from_millis(self.h2_keep_alive_timeout_ms)
+    }
 }
 
 /// Request limits.
@@ -123,6 +165,20 @@ pub struct Limits {
     pub max_body_bytes: usize,
     /// Replicas tried per request while nothing was sent upstream (the first included).
     pub max_attempts: u32,
+    /// Client connections open at once on the data port; at the cap the router stops
+    /// accepting (new connections wait in the kernel's backlog) until one closes.
+    pub max_connections: usize,
+    /// Requests of one pool forwarded at once (routed and passed through); 0: no limit.
+    pub max_in_flight: usize,
+    /// Requests of one pool waiting for one of its `max_in_flight` places; when full, 429.
+    pub max_queue: usize,
+    /// Slowest request body accepted, bytes per second on average after
+    /// `timeouts.body_read_ms`; 0: the body must arrive within `body_read_ms`.
+    pub min_body_rate_bytes_per_s: u64,
+    /// Streams one HTTP/2 client connection may have open at once.
+    pub h2_max_concurrent_streams: u32,
+    /// The `Retry-After` (seconds) of a request shed with 429 or 503.
+    pub retry_after_s: u32,
 }
 
 impl Default for Limits {
@@ -130,7 +186,52 @@ impl Default for Limits {
         Limits {
             max_body_bytes: 32 << 20,
             max_attempts: 3,
+            max_connections: 10_000,
+            max_in_flight: 4_096,
+            max_queue: 4_096,
+            min_body_rate_bytes_per_s: 1_024,
+            h2_max_concurrent_streams: 256,
+            retry_after_s: 1,
         }
+    }
+}
+
+/// Who may use the admin port. Without a token everyone may (keep the port private); with
+/// one, every path but the probes (`/livez`, `/healthz`, `/readyz`) needs
+/// `Authorization: Bearer TOKEN`: `/debug/explain` answers for any prompt, `/debug/replicas`
+/// names the fleet.
+#[derive(Clone, Debug, Default, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AdminAuth {
+    /// A file holding the token (surrounding whitespace ignored).
+    pub token_file: Option<PathBuf>,
+    /// The token itself, from the environment (`KINFERENCE_ADMIN_TOKEN`) or a caller; never
+    /// read from the file or the command line, where it would be seen.
+    #[serde(skip)]
+    pub token: Option<AdminToken>,
+    /// Serve `/metrics` without the token (for a scraper that cannot send one).
+    pub open_metrics: bool,
+}
+
+/// A bearer token, kept out of `Debug` output.
+#[derive(Clone, PartialEq, Eq)]
+pub struct AdminToken(String);
+
+impl AdminToken {
+    /// `None` for a token that is empty once trimmed.
+    pub fn new(token: &str) -> Option<AdminToken> {
+        let t = token.trim();
+        (!t.is_empty()).then(|| AdminToken(t.to_owned()))
+    }
+
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl fmt::Debug for AdminToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("AdminToken(..)")
     }
 }
 
@@ -527,6 +628,7 @@ impl Config {
             timeouts: Timeouts::default(),
             limits: Limits::default(),
             scrape: Scrape::default(),
+            admin_auth: AdminAuth::default(),
             expose_endpoint_header: false,
             threads: None,
             pools,
@@ -629,10 +731,42 @@ impl Config {
                 pools.push(p);
             }
         }
+        let admin_token = self.resolve_admin_token(&mut errs);
         if errs.0.is_empty() {
-            Ok(Resolved { pools })
+            Ok(Resolved { pools, admin_token })
         } else {
             Err(ConfigErrors(errs.0))
+        }
+    }
+
+    /// The admin token: from `admin_auth.token_file`, or given as `admin_auth.token`.
+    fn resolve_admin_token(&self, errs: &mut Errors) -> Option<AdminToken> {
+        let a = &self.admin_auth;
+        match (&a.token_file, &a.token) {
+            (None, t) => t.clone(),
+            (Some(_), Some(_)) => {
+                errs.push(
+                    "admin_auth.token_file",
+                    "the token is also given by KINFERENCE_ADMIN_TOKEN: pick one",
+                );
+                None
+            }
+            (Some(path), None) => match std::fs::read_to_string(path) {
+                Ok(text) => AdminToken::new(&text).or_else(|| {
+                    errs.push(
+                        "admin_auth.token_file",
+                        format!("{} holds no token", path.display()),
+                    );
+                    None
+                }),
+                Err(e) => {
+                    errs.push(
+                        "admin_auth.token_file",
+                        format!("reading {}: {e}", path.display()),
+                    );
+                    None
+                }
+            },
         }
     }
 
@@ -661,6 +795,24 @@ impl Config {
         if self.limits.max_attempts == 0 {
             errs.push("limits.max_attempts", "must be >= 1");
         }
+        for (name, v) in [
+            ("header_read_ms", t.header_read_ms),
+            ("body_read_ms", t.body_read_ms),
+            ("keep_alive_ms", t.keep_alive_ms),
+            ("queue_ms", t.queue_ms),
+            ("h2_keep_alive_timeout_ms", t.h2_keep_alive_timeout_ms),
+        ] {
+            if v == 0 {
+                errs.push(format!("timeouts.{name}"), "must be > 0");
+            }
+        }
+        let l = &self.limits;
+        if l.max_connections == 0 {
+            errs.push("limits.max_connections", "must be >= 1");
+        }
+        if l.h2_max_concurrent_streams == 0 {
+            errs.push("limits.h2_max_concurrent_streams", "must be >= 1");
+        }
         if self.threads == Some(0) {
             errs.push("threads", "must be >= 1 (leave it out for one per CPU)");
         }
@@ -678,6 +830,8 @@ impl Config {
 #[derive(Debug)]
 pub(crate) struct Resolved {
     pub pools: Vec<ResolvedPool>,
+    /// The admin port's bearer token, if it has one.
+    pub admin_token: Option<AdminToken>,
 }
 
 /// One pool's parsed values.
@@ -1196,6 +1350,59 @@ pools:
             );
         }
         assert_eq!(errs.len(), expect.len(), "{errs:#?}");
+    }
+
+    #[test]
+    fn limits_and_admin_auth_parse_and_validate() {
+        let dir = std::env::temp_dir().join(format!("kinf-admin-token-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "  s3cret\n").unwrap();
+        let text = format!(
+            r#"
+timeouts: {{header_read_ms: 5000, keep_alive_ms: 30000, queue_ms: 100}}
+limits: {{max_connections: 100, max_in_flight: 8, max_queue: 0, min_body_rate_bytes_per_s: 0}}
+admin_auth: {{token_file: {token}, open_metrics: true}}
+pools:
+  - models: [a]
+    tokenizer: {tok}
+    block_size: 16
+    replicas: [http://127.0.0.1:8001]
+"#,
+            token = token.display(),
+            tok = tokenizer_dir()
+        );
+        let cfg = Config::parse(&text).unwrap();
+        assert_eq!(cfg.limits.max_in_flight, 8);
+        assert_eq!(cfg.timeouts.header_read(), Duration::from_secs(5));
+        let resolved = cfg.resolve().unwrap();
+        assert_eq!(resolved.admin_token, AdminToken::new("s3cret"));
+        assert_eq!(
+            format!("{:?}", resolved.admin_token),
+            "Some(AdminToken(..))"
+        );
+
+        let mut both = cfg.clone();
+        both.admin_auth.token = AdminToken::new("other");
+        assert_eq!(both.validate()[0].path, "admin_auth.token_file");
+        std::fs::write(&token, "\n").unwrap();
+        assert!(
+            cfg.validate()[0].message.contains("no token"),
+            "{:?}",
+            cfg.validate()
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+
+        let mut zero = cfg.clone();
+        zero.admin_auth = AdminAuth::default();
+        zero.limits.max_connections = 0;
+        zero.timeouts.header_read_ms = 0;
+        let paths: Vec<String> = zero.validate().into_iter().map(|e| e.path).collect();
+        assert_eq!(
+            paths,
+            ["timeouts.header_read_ms", "limits.max_connections"],
+            "{paths:?}"
+        );
     }
 
     #[test]

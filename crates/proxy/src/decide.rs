@@ -15,7 +15,7 @@
 use std::sync::Arc;
 
 use http::HeaderMap;
-use kinference_policy::{Candidate, Decision, RequestCtx};
+use kinference_policy::{Applied, Candidate, Decision, RequestCtx};
 use kinference_tokenize::{ChatRequest, CompletionRequest, TokenizeError};
 use kinference_vllm::BlockHash;
 use kinference_vllm::{Lora, RequestExtras};
@@ -72,6 +72,22 @@ pub(crate) struct Prepared<'f> {
     pub ticket: u64,
 }
 
+/// A request body's pool, found from its `model` before any tokenizing (so that a request
+/// can wait at its pool's gate first).
+pub(crate) struct Looked<'f> {
+    pub pool: &'f Arc<Pool>,
+    lora: Option<&'f Lora>,
+    head: Head,
+}
+
+/// Reads a request body's `model` (and `cache_salt`) and finds its pool.
+pub(crate) fn lookup<'f>(fleet: &'f Fleet, body: &[u8]) -> Result<Looked<'f>, RequestError> {
+    let head: Head = serde_json::from_slice(body)
+        .map_err(|e| RequestError::BadRequest(format!("the body is not a JSON request: {e}")))?;
+    let (pool, lora) = fleet.lookup(head.model.as_deref())?;
+    Ok(Looked { pool, lora, head })
+}
+
 /// Parses and tokenizes a request body and hashes its prompt's full blocks.
 /// With `peek`, the request does not take a ticket (explaining must not move the rotation).
 pub(crate) fn prepare<'f>(
@@ -81,9 +97,20 @@ pub(crate) fn prepare<'f>(
     headers: &HeaderMap,
     peek: bool,
 ) -> Result<Prepared<'f>, RequestError> {
-    let head: Head = serde_json::from_slice(body)
-        .map_err(|e| RequestError::BadRequest(format!("the body is not a JSON request: {e}")))?;
-    let (pool, lora) = fleet.lookup(head.model.as_deref())?;
+    let looked = lookup(fleet, body)?;
+    prepare_looked(fleet, api, looked, body, headers, peek)
+}
+
+/// [`prepare`] for a body whose pool was already looked up.
+pub(crate) fn prepare_looked<'f>(
+    fleet: &'f Fleet,
+    api: Api,
+    looked: Looked<'f>,
+    body: &[u8],
+    headers: &HeaderMap,
+    peek: bool,
+) -> Result<Prepared<'f>, RequestError> {
+    let Looked { pool, lora, head } = looked;
     let model = head
         .model
         .clone()
@@ -181,12 +208,14 @@ pub(crate) struct Routed<'f> {
     pub prepared: Prepared<'f>,
     pub decision: Decision,
     pub targets: Vec<Target>,
+    /// The speculative entries the decision recorded, until the outcome is known.
+    applied: Applied,
 }
 
 /// Decides where a prepared request goes and records the decision's effects on the policy
 /// (speculative entries) under the same lock hold.
 pub(crate) fn route<'f>(fleet: &Fleet, prepared: Prepared<'f>) -> Routed<'f> {
-    let decision = select(fleet, &prepared, true);
+    let (decision, applied) = select(fleet, &prepared, true);
     let pool = prepared.pool;
     let targets = decision
         .ranked
@@ -207,20 +236,33 @@ pub(crate) fn route<'f>(fleet: &Fleet, prepared: Prepared<'f>) -> Routed<'f> {
         prepared,
         decision,
         targets,
+        applied,
     }
 }
 
-/// The request was served by `targets[used]`. When that is a fallback, the policy learns that
-/// this worker, not the first choice, now holds the prefix.
-pub(crate) fn landed(fleet: &Fleet, routed: &Routed<'_>, used: usize) {
-    let Some(t) = routed.targets.get(used).filter(|_| used > 0) else {
+/// The outcome of a routed request: `Some(used)` when `targets[used]` answered with a response
+/// head other than 503, `None` when every replica tried refused it (connect failure, 503) or
+/// failed before a response head. The speculative entries follow: kept when the first choice
+/// answered; taken back otherwise, and when a fallback answered, that worker, not the first
+/// choice, now holds the prefix.
+pub(crate) fn landed(fleet: &Fleet, routed: &mut Routed<'_>, used: Option<usize>) {
+    if used == Some(0) {
+        return;
+    }
+    let now = fleet.now();
+    let p = &routed.prepared;
+    let mut policy = p.pool.policy.lock();
+    policy.undo(std::mem::take(&mut routed.applied), &p.hashes, now);
+    let Some(t) = used.and_then(|i| routed.targets.get(i)) else {
+        drop(policy);
+        tracing::debug!(chosen = ?routed.decision.chosen(), "request refused; speculative entries taken back");
         return;
     };
     let mut landed = routed.decision.clone();
     landed.ranked = vec![t.replica.worker(t.rank)];
-    let now = fleet.now();
-    let p = &routed.prepared;
-    p.pool.policy.lock().apply(&landed, &p.hashes, now);
+    // Kept: the fallback answered.
+    let _kept = policy.apply(&landed, &p.hashes, now);
+    drop(policy);
     tracing::debug!(chosen = ?routed.decision.chosen(), landed = %landed.ranked[0], "request fell back");
 }
 
@@ -281,7 +323,7 @@ fn candidates(pool: &Pool, hashes: &[BlockHash]) -> Vec<Candidate> {
 
 /// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
 /// the policy (speculative entries) are recorded under the same lock hold.
-fn select(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> Decision {
+fn select(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> (Decision, Applied) {
     let candidates = candidates(p.pool, &p.hashes);
     let ctx = RequestCtx {
         hashes: &p.hashes,
@@ -293,15 +335,17 @@ fn select(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> Decision {
     let now = fleet.now();
     let mut policy = p.pool.policy.lock();
     let decision = policy.select(&ctx, &candidates, now);
-    if apply {
-        policy.apply(&decision, &p.hashes, now);
-    }
-    decision
+    let applied = if apply {
+        policy.apply(&decision, &p.hashes, now)
+    } else {
+        Applied::default()
+    };
+    (decision, applied)
 }
 
 /// The `/debug/explain` answer for a prepared request.
 pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared<'_>) -> ExplainResponse {
-    let decision = select(fleet, p, false);
+    let (decision, _) = select(fleet, p, false);
     let candidates = decision
         .scores
         .iter()

@@ -34,6 +34,19 @@ pub enum RequestError {
     /// The client's body could not be read.
     #[error("reading the request body failed: {0}")]
     ClientBody(String),
+    /// The client's body arrived too slowly (`timeouts.body_read_ms`,
+    /// `limits.min_body_rate_bytes_per_s`).
+    #[error("the request body arrived too slowly (received {received} bytes in {elapsed_ms} ms)")]
+    BodyTimeout { received: usize, elapsed_ms: u64 },
+    /// The pool's admission gate and its queue were full, or the request waited too long in
+    /// the queue; `no_replica` when the pool had no usable replica either (503, not 429).
+    #[error("pool `{pool}` is overloaded ({reason}); retry after {retry_after_s} s")]
+    Overloaded {
+        pool: String,
+        reason: &'static str,
+        no_replica: bool,
+        retry_after_s: u32,
+    },
 }
 
 impl RequestError {
@@ -45,6 +58,11 @@ impl RequestError {
             RequestError::NoReplica { .. } => StatusCode::SERVICE_UNAVAILABLE,
             RequestError::Upstream { .. } => StatusCode::BAD_GATEWAY,
             RequestError::Timeout { .. } => StatusCode::GATEWAY_TIMEOUT,
+            RequestError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            RequestError::Overloaded {
+                no_replica: true, ..
+            } => StatusCode::SERVICE_UNAVAILABLE,
+            RequestError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
         }
     }
 
@@ -57,6 +75,11 @@ impl RequestError {
             RequestError::NoReplica { .. } => "ServiceUnavailableError",
             RequestError::Upstream { .. } => "BadGatewayError",
             RequestError::Timeout { .. } => "GatewayTimeoutError",
+            RequestError::BodyTimeout { .. } => "RequestTimeoutError",
+            RequestError::Overloaded {
+                no_replica: true, ..
+            } => "ServiceUnavailableError",
+            RequestError::Overloaded { .. } => "RateLimitError",
         }
     }
 
@@ -70,6 +93,8 @@ impl RequestError {
             RequestError::NoReplica { .. } => "no_replica",
             RequestError::Upstream { .. } => "upstream",
             RequestError::Timeout { .. } => "timeout",
+            RequestError::BodyTimeout { .. } => "body_timeout",
+            RequestError::Overloaded { .. } => "overloaded",
         }
     }
 
@@ -91,7 +116,20 @@ impl RequestError {
 
 impl IntoResponse for RequestError {
     fn into_response(self) -> Response {
-        json_response(self.status(), &self.body())
+        let mut resp = json_response(self.status(), &self.body());
+        match &self {
+            RequestError::Overloaded { retry_after_s, .. } => {
+                resp.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
+            }
+            // The rest of the body was not read: the connection cannot carry another request.
+            RequestError::BodyTimeout { .. } => {
+                resp.headers_mut()
+                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            }
+            _ => {}
+        }
+        resp
     }
 }
 

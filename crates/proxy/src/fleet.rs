@@ -36,10 +36,11 @@ use tokio::sync::watch;
 
 use crate::api::{CacheConfigStatus, Health, LoadStatus, ScrapeCounts};
 use crate::config::{
-    Config, Endpoint, EventSource, InferencePoolRef, PoolConfig, ReplicaSpec, Resolved,
+    Config, Endpoint, EventSource, InferencePoolRef, Limits, PoolConfig, ReplicaSpec, Resolved,
     ResolvedPool, ResolvedReplica, Timeouts,
 };
 use crate::error::{RequestError, StartError};
+use crate::limits::{Gate, QueueLabel};
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
 
@@ -47,6 +48,7 @@ use crate::upstream::Upstream;
 #[derive(Clone, Debug)]
 pub(crate) struct Settings {
     pub timeouts: Timeouts,
+    pub limits: Limits,
     pub max_body_bytes: usize,
     pub max_attempts: u32,
     pub expose_endpoint_header: bool,
@@ -168,6 +170,8 @@ pub(crate) struct Pool {
     pub uses_index: bool,
     pub session_header: Option<HeaderName>,
     pub index: Arc<RwLock<Index>>,
+    /// At most `limits.max_in_flight` of the pool's requests are forwarded at once.
+    pub gate: Gate,
     /// Taken out at shutdown.
     plane: Mutex<Option<Arc<EventPlane>>>,
     /// The replicas requests may go to. Replaced as a whole when the fleet changes, so the
@@ -506,7 +510,16 @@ pub(crate) async fn build(
             };
             models.insert(n.clone(), (pi, Some(lora)));
         }
-        let pool = build_pool(pc, rp, &mut next_id).await?;
+        let queued = metrics.limits.queued.get_or_create(&QueueLabel {
+            pool: pc.display_name(),
+        });
+        let gate = Gate::new(
+            cfg.limits.max_in_flight,
+            cfg.limits.max_queue,
+            cfg.timeouts.queue(),
+            queued.clone(),
+        );
+        let pool = build_pool(pc, rp, gate, &mut next_id).await?;
         discoveries.extend(
             pool.discover
                 .into_iter()
@@ -517,6 +530,7 @@ pub(crate) async fn build(
     let (changed, _) = watch::channel(0u64);
     let settings = Settings {
         timeouts: cfg.timeouts.clone(),
+        limits: cfg.limits.clone(),
         max_body_bytes: cfg.limits.max_body_bytes,
         max_attempts: cfg.limits.max_attempts,
         expose_endpoint_header: cfg.expose_endpoint_header,
@@ -549,6 +563,7 @@ struct Built {
 async fn build_pool(
     pc: &PoolConfig,
     rp: ResolvedPool,
+    gate: Gate,
     next_id: &mut u32,
 ) -> Result<Built, StartError> {
     let name = pc.display_name();
@@ -599,6 +614,7 @@ async fn build_pool(
         policy: Mutex::new(policy),
         session_header: rp.session_header,
         index: plane.index(),
+        gate,
         plane: Mutex::new(Some(Arc::new(plane))),
         replicas: RwLock::new(Arc::new(replicas)),
         source: pc.inference_pool.clone(),

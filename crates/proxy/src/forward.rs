@@ -35,6 +35,7 @@ use tokio::time::{Instant, Sleep};
 use crate::decide::Target;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
+use crate::limits::Admitted;
 use crate::link::LinkBody;
 use crate::metrics::{PoolKind, PoolLabel, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
 use crate::upstream::{build_request, error_chain, response_headers, Upstream, UriError};
@@ -53,6 +54,8 @@ pub(crate) struct Forward {
     pub headers: HeaderMap,
     pub body: Bytes,
     pub start: Instant,
+    /// The request's place at its pool's gate, held until the response ends.
+    pub admitted: Admitted,
 }
 
 /// How a forwarded request is accounted.
@@ -248,6 +251,7 @@ fn respond(
     let body = UpstreamBody {
         inner: incoming,
         guard: Some(guard),
+        admitted: Some(req.admitted),
         idle: Box::pin(tokio::time::sleep_until(idle_deadline)),
         idle_deadline,
         idle_after: timeouts.idle(),
@@ -318,6 +322,7 @@ impl Observer {
 struct UpstreamBody {
     inner: LinkBody,
     guard: Option<InFlight>,
+    admitted: Option<Admitted>,
     /// Fires at or before `idle_deadline`; re-armed to it only when it fires early.
     idle: Pin<Box<Sleep>>,
     /// When the response has gone `idle_after` without data.
@@ -360,6 +365,7 @@ impl UpstreamBody {
                 .inc();
         }
         self.guard = None;
+        self.admitted = None;
     }
 
     /// The response cannot go on: an SSE stream gets a last error event, anything else is cut.
@@ -370,6 +376,7 @@ impl UpstreamBody {
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.finished = true;
         self.guard = None;
+        self.admitted = None;
         let m = &self.obs.fleet.metrics;
         m.upstream_failures
             .get_or_create(&ReplicaKind {

@@ -4,9 +4,12 @@
 //! # Request flow
 //!
 //! ```text
-//!  client ─HTTP/1.1|h2─▶ data port (TCP_NODELAY)
+//!  client ─HTTP/1.1|h2─▶ data port (TCP_NODELAY; conn.rs: ≤ max_connections, else accepting
+//!                        pauses; a head within header_read_ms, idle ≤ keep_alive_ms)
 //!    POST /v1/completions | /v1/chat/completions
-//!      read body (≤ max_body_bytes, else 413) ── parse `model` (400) ── pool lookup (404)
+//!      read body (≤ max_body_bytes, else 413; slower than body_read_ms + min rate: 408)
+//!      parse `model` (400) ── pool lookup (404) ── the pool's gate: a place among
+//!        max_in_flight, or a wait in its queue (full or timed out: 429, 503 if no replica up)
 //!      tokenize once, as vLLM does ── block hashes (pool's block size, algorithm, seed,
 //!                                     LoRA, cache_salt)
 //!      decide::route: one index read lock (longest_prefix) + load atomics per worker
@@ -15,7 +18,9 @@
 //!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503)
 //!      stream the response back frame by frame: first byte releases predicted prefill
 //!        tokens, cached_tokens is read from usage as it passes, the body owns the in-flight
-//!        guard
+//!        guard and the gate's place
+//!      speculative entries kept if the first choice answered, moved to the fallback that
+//!        answered, taken back if every replica refused or failed before a response head
 //!    GET /v1/models: every pool's models, described by the replicas
 //!    anything else: passed through to the least loaded replica of the request's pool
 //!
@@ -23,7 +28,8 @@
 //!               vllm:cache_config_info → scorable or not; health)
 //!  discovered pools: PoolMembers handles (join / leave while running; see members.rs)
 //!  per pool:    EventPlane (ZMQ SUB per DP rank → index), policy expiry task
-//!  admin port:  /metrics /healthz /readyz /debug/explain /debug/replicas
+//!  admin port:  /metrics /livez /healthz /readyz /debug/explain /debug/replicas (a bearer
+//!               token for all but the probes when admin_auth has one)
 //! ```
 //!
 //! # Invariants
@@ -59,6 +65,7 @@
 pub mod api;
 pub mod config;
 pub mod error;
+mod limits;
 mod metrics;
 mod usage;
 // Talking to replicas:
@@ -73,6 +80,7 @@ mod snapshot;
 // One request, top down: body → decide → forward; the two ports:
 mod admin;
 mod body;
+mod conn;
 mod decide;
 mod forward;
 mod server;
@@ -82,7 +90,6 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use kinference_events::{EventsError, WorkerHealth};
 use kinference_vllm::DpRank;
 use tokio::net::TcpListener;
@@ -91,8 +98,9 @@ use tokio_util::sync::CancellationToken;
 
 pub use api::{ReadyResponse, ReplicasResponse, ScrapeCounts};
 pub use config::{
-    parse_policy, Config, ConfigError, ConfigErrors, EventSourceError, EventsSpec,
-    InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec, UrlError,
+    parse_policy, AdminAuth, AdminToken, Config, ConfigError, ConfigErrors, EventSourceError,
+    EventsSpec, InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec,
+    UrlError,
 };
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers};
@@ -101,6 +109,9 @@ use crate::admin::AdminState;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::upstream::Upstream;
+
+/// Connections the admin port keeps open at once (its own, apart from `max_connections`).
+const ADMIN_CONNECTIONS: usize = 256;
 
 /// With discovered pools: removes, every 10 s, the metric series a leaver's request that was
 /// still running wrote after the leave (the leave itself removes the rest).
@@ -162,6 +173,7 @@ impl Proxy {
         admin: TcpListener,
     ) -> Result<Proxy, StartError> {
         let metrics = Metrics::new();
+        let resolved_admin_token = resolved.admin_token.clone();
         let upstream = Upstream::new(config.timeouts.connect(), config.timeouts.pool_idle());
         let (fleet, discoveries) =
             fleet::build(&config, resolved, metrics.clone(), upstream).await?;
@@ -210,12 +222,14 @@ impl Proxy {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
         let data = data.into_std()?;
+        let places = conn::Places::new(config.limits.max_connections);
         let mut servers = Vec::with_capacity(threads + 1);
         for i in 0..threads {
             let shard = Shard {
                 index: i,
                 listener: data.try_clone()?,
                 fleet: fleet.clone(),
+                places: places.clone(),
                 stop: stop.clone(),
                 cut: cut.clone(),
             };
@@ -238,8 +252,20 @@ impl Proxy {
         let admin_app = admin::router(Arc::new(AdminState {
             fleet: fleet.clone(),
             registry,
+            token: resolved_admin_token,
+            open_metrics: config.admin_auth.open_metrics,
         }));
-        servers.push(tokio::spawn(serve(admin, admin_app, stop.clone(), "admin")));
+        // The admin port has places of its own: a flood of the data port must not cut off
+        // probes and scrapes.
+        servers.push(tokio::spawn(conn::serve(
+            admin,
+            admin_app,
+            stop.clone(),
+            "admin",
+            conn::Places::new(ADMIN_CONNECTIONS),
+            conn::ConnRules::new(&config.timeouts, &config.limits),
+            fleet.metrics.limits.clone(),
+        )));
         tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), threads, "router started");
         Ok(Proxy {
             data_addr,
@@ -411,6 +437,8 @@ struct Shard {
     index: usize,
     listener: std::net::TcpListener,
     fleet: Arc<Fleet>,
+    /// `limits.max_connections`, shared by every shard.
+    places: Arc<conn::Places>,
     stop: CancellationToken,
     cut: CancellationToken,
 }
@@ -441,6 +469,7 @@ impl Shard {
             index: _,
             listener,
             fleet,
+            places,
             stop,
             cut,
         } = self;
@@ -467,33 +496,15 @@ impl Shard {
         rt.block_on(async move {
             let t = &fleet.settings.timeouts;
             let upstream = Upstream::new(t.connect(), t.pool_idle());
+            let rules = conn::ConnRules::new(t, &fleet.settings.limits);
+            let metrics = fleet.metrics.limits.clone();
             let app = server::router(fleet, upstream);
             tokio::select! {
-                () = serve(listener, app, stop, "data") => {}
+                () = conn::serve(listener, app, stop, "data", places, rules, metrics) => {}
                 () = cut.cancelled() => {}
             }
         });
         // Dropping the runtime drops every connection still open on this thread.
         drop(rt);
-    }
-}
-
-async fn serve(
-    listener: TcpListener,
-    app: axum::Router,
-    stop: CancellationToken,
-    port: &'static str,
-) {
-    let listener = listener.tap_io(|tcp| {
-        // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
-        }
-    });
-    let served = axum::serve(listener, app)
-        .with_graceful_shutdown(stop.cancelled_owned())
-        .await;
-    if let Err(e) = served {
-        tracing::error!(port, error = %e, "server stopped");
     }
 }

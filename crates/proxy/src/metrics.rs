@@ -27,6 +27,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::api::{Health, ReplicasResponse};
+use crate::limits::LimitMetrics;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct RequestLabels {
@@ -184,6 +185,8 @@ pub(crate) struct Metrics {
     pub tokenize_fallbacks: Family<PoolKind, Counter>,
     /// `kind` = ok | failed | idle (a tick that skipped a quiet replica).
     pub scrapes: Family<PoolKind, Counter>,
+    /// Shedding, client-side timeouts, connections (`crate::limits`).
+    pub limits: LimitMetrics,
 }
 
 impl Metrics {
@@ -202,6 +205,7 @@ impl Metrics {
             client_disconnects: Family::default(),
             tokenize_fallbacks: Family::default(),
             scrapes: Family::default(),
+            limits: LimitMetrics::default(),
         }
     }
 
@@ -287,6 +291,7 @@ impl Metrics {
              (skipped: the replica was quiet since its last scrape, see scrape.idle_interval_ms)",
             self.scrapes.clone(),
         );
+        self.limits.register(&mut r);
         r.register_collector(Box::new(StateCollector { snapshot }));
         r
     }

@@ -26,8 +26,9 @@ use crate::api::Health;
 use crate::body::{path_and_query, read_body};
 use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
-use crate::fleet::Fleet;
+use crate::fleet::{Fleet, Pool};
 use crate::forward::{forward, Accounting, Forward};
+use crate::limits::{Admitted, ShedLabels};
 use crate::metrics::{DecisionLabels, KindLabel, PoolLabel, RequestLabels};
 use crate::upstream::Upstream;
 
@@ -60,39 +61,79 @@ async fn chat_completions(State(data): State<Data>, req: Request) -> Response {
 async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Response {
     let start = Instant::now();
     let label = api.route_label();
-    let (parts, body) = match read_body(fleet.settings.max_body_bytes, req).await {
+    let (parts, body) = match read_body(&fleet, "data", req).await {
         Ok(x) => x,
         Err(e) => return reject(&fleet, label, e),
     };
-    let prepared = match decide::prepare(&fleet, api, &body, &parts.headers, false) {
+    let looked = match decide::lookup(&fleet, &body) {
+        Ok(l) => l,
+        Err(e) => return reject(&fleet, label, e),
+    };
+    let admitted = match admit(&fleet, looked.pool).await {
+        Ok(a) => a,
+        Err(e) => return reject(&fleet, label, e),
+    };
+    let prepared = match decide::prepare_looked(&fleet, api, looked, &body, &parts.headers, false) {
         Ok(p) => p,
         Err(e) => return reject(&fleet, label, e),
     };
-    let routed = decide::route(&fleet, prepared);
+    let mut routed = decide::route(&fleet, prepared);
     record_decision(&fleet, &routed);
-    let p = &routed.prepared;
+    let (pool, prompt_tokens) = (routed.prepared.pool, routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
         accounting: Accounting::Routed {
-            pool: p.pool.name.clone(),
-            prompt_tokens: p.prompt_tokens,
+            pool: pool.name.clone(),
+            prompt_tokens,
         },
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
         headers: parts.headers,
         body,
         start,
+        admitted,
     };
     match forward(&fleet, &upstream, fwd, &routed.targets).await {
         Ok((resp, used)) => {
-            if let Some(t) = routed.targets.get(used) {
-                p.pool.count_routed(p.prompt_tokens, t.predicted_cached);
+            let answered = resp.status() != StatusCode::SERVICE_UNAVAILABLE;
+            if let Some(t) = routed.targets.get(used).filter(|_| answered) {
+                pool.count_routed(prompt_tokens, t.predicted_cached);
             }
-            decide::landed(&fleet, &routed, used);
+            decide::landed(&fleet, &mut routed, answered.then_some(used));
             resp
         }
-        Err(e) => reject(&fleet, label, e),
+        Err(e) => {
+            decide::landed(&fleet, &mut routed, None);
+            reject(&fleet, label, e)
+        }
     }
+}
+
+/// A place at `pool`'s gate, or the 429 (503 when the pool has no usable replica) to answer,
+/// counted.
+async fn admit(fleet: &Fleet, pool: &Pool) -> Result<Admitted, RequestError> {
+    let shed = match pool.gate.admit().await {
+        Ok(a) => return Ok(a),
+        Err(shed) => shed,
+    };
+    let no_replica = pool.replicas().iter().all(|r| r.health() == Health::Down);
+    let err = RequestError::Overloaded {
+        pool: pool.name.clone(),
+        reason: shed.as_str(),
+        no_replica,
+        retry_after_s: fleet.settings.limits.retry_after_s,
+    };
+    fleet
+        .metrics
+        .limits
+        .shed
+        .get_or_create(&ShedLabels {
+            pool: pool.name.clone(),
+            reason: shed.as_str(),
+            status: err.status().as_u16(),
+        })
+        .inc();
+    Err(err)
 }
 
 fn record_decision(fleet: &Fleet, routed: &decide::Routed<'_>) {
@@ -171,7 +212,7 @@ struct ModelOnly {
 async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request) -> Response {
     let start = Instant::now();
     let route = route_label(req.uri().path());
-    let (parts, body) = match read_body(fleet.settings.max_body_bytes, req).await {
+    let (parts, body) = match read_body(&fleet, "data", req).await {
         Ok(x) => x,
         Err(e) => return reject(&fleet, route, e),
     };
@@ -186,6 +227,10 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
         Ok((p, _)) => p.clone(),
         Err(e) => return reject(&fleet, route, e),
     };
+    let admitted = match admit(&fleet, &pool).await {
+        Ok(a) => a,
+        Err(e) => return reject(&fleet, route, e),
+    };
     let targets = decide::by_load(&pool);
     let fwd = Forward {
         route,
@@ -195,6 +240,7 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
         headers: parts.headers,
         body,
         start,
+        admitted,
     };
     match forward(&fleet, &upstream, fwd, &targets).await {
         Ok((resp, _)) => resp,

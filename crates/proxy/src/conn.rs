@@ -1,0 +1,451 @@
+//! Client connections of both ports: the accept loop and each connection's life.
+//!
+//! ```text
+//!  accept loop ── a place among limits.max_connections (none free: stop accepting, count a
+//!       │          pause, wait for a connection to close; the kernel's backlog holds the rest)
+//!       ▼
+//!  connection task: hyper (HTTP/1.1, or HTTP/2 with a stream cap and PINGs) + its watchdog:
+//!    no request yet, or a head begun ── header_read_ms ──▶ closed   (slow or stalled head)
+//!    idle between requests          ── keep_alive_ms  ──▶ closed   (graceful)
+//!    a request in flight            ── (request timeouts are the handlers' business)
+//! ```
+//!
+//! Invariants: a connection holds its place from accept to close, however it ends; an accept
+//! loop never spins (at the cap it waits for a place; after an accept error it backs off);
+//! the watchdog never cuts a connection with a request in flight; stopping the port
+//! shuts every connection down gracefully and [`serve`] returns once all have closed.
+
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use hyper_util::service::TowerToHyperService;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use crate::config::{Limits, Timeouts};
+use crate::limits::{LimitMetrics, PortLabel};
+
+/// What every connection of a port is held to.
+#[derive(Clone, Debug)]
+pub(crate) struct ConnRules {
+    pub header_read: Duration,
+    pub keep_alive: Duration,
+    pub h2_max_streams: u32,
+    pub h2_ping_interval: Option<Duration>,
+    pub h2_ping_timeout: Duration,
+}
+
+impl ConnRules {
+    pub fn new(t: &Timeouts, l: &Limits) -> Self {
+        ConnRules {
+            header_read: t.header_read(),
+            keep_alive: t.keep_alive(),
+            h2_max_streams: l.h2_max_concurrent_streams,
+            h2_ping_interval: t.h2_keep_alive_interval(),
+            h2_ping_timeout: t.h2_keep_alive_timeout(),
+        }
+    }
+}
+
+/// The places of `limits.max_connections`, shared by every accept loop of both ports.
+#[derive(Debug)]
+pub(crate) struct Places(Arc<Semaphore>);
+
+impl Places {
+    pub fn new(max: usize) -> Arc<Self> {
+        Arc::new(Places(Arc::new(Semaphore::new(
+            max.clamp(1, Semaphore::MAX_PERMITS),
+        ))))
+    }
+}
+
+/// One port's accept loop and connections, until `stop`; returns once every connection closed.
+pub(crate) async fn serve(
+    listener: TcpListener,
+    app: axum::Router,
+    stop: CancellationToken,
+    port: &'static str,
+    places: Arc<Places>,
+    rules: ConnRules,
+    metrics: LimitMetrics,
+) {
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // The watchdog times heads and idleness itself: hyper's header timer would also run
+    // between requests, where keep_alive_ms applies.
+    builder.http1().header_read_timeout(None);
+    builder
+        .http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(rules.h2_max_streams)
+        .keep_alive_interval(rules.h2_ping_interval)
+        .keep_alive_timeout(rules.h2_ping_timeout);
+    let builder = Arc::new(builder);
+    let label = PortLabel { port };
+    let open = metrics.connections.get_or_create(&label).clone();
+    let tracker = TaskTracker::new();
+    loop {
+        let place = match places.0.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                metrics.accept_pauses.get_or_create(&label).inc();
+                tracing::debug!(port, "limits.max_connections reached; accepting paused");
+                tokio::select! {
+                    p = places.0.clone().acquire_owned() => match p {
+                        Ok(p) => p,
+                        Err(_) => break,
+                    },
+                    () = stop.cancelled() => break,
+                }
+            }
+        };
+        let accepted = tokio::select! {
+            a = listener.accept() => a,
+            () = stop.cancelled() => break,
+        };
+        let tcp = match accepted {
+            Ok((tcp, _)) => tcp,
+            Err(e) => {
+                drop(place);
+                if !is_connection_error(&e) {
+                    // Out of descriptors or buffers: retrying at once would spin.
+                    metrics.accept_errors.get_or_create(&label).inc();
+                    tracing::warn!(port, error = %e, "accept failed; pausing 100 ms");
+                    tokio::select! {
+                        () = tokio::time::sleep(Duration::from_millis(100)) => {}
+                        () = stop.cancelled() => break,
+                    }
+                }
+                continue;
+            }
+        };
+        // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
+        }
+        open.inc();
+        let conn = Connection {
+            builder: builder.clone(),
+            app: app.clone(),
+            rules: rules.clone(),
+            stop: stop.clone(),
+            metrics: metrics.clone(),
+            port,
+        };
+        let open = open.clone();
+        tracker.spawn(async move {
+            conn.run(tcp).await;
+            open.dec();
+            drop(place);
+        });
+    }
+    drop(listener);
+    tracker.close();
+    tracker.wait().await;
+}
+
+/// Errors of one connection that was being accepted; the next accept is unaffected.
+fn is_connection_error(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
+    matches!(
+        e.kind(),
+        ConnectionRefused | ConnectionAborted | ConnectionReset
+    )
+}
+
+struct Connection {
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    app: axum::Router,
+    rules: ConnRules,
+    stop: CancellationToken,
+    metrics: LimitMetrics,
+    port: &'static str,
+}
+
+/// Why the watchdog closes a connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Expiry {
+    HeaderRead,
+    KeepAlive,
+}
+
+impl Connection {
+    async fn run(self, tcp: TcpStream) {
+        let state = Arc::new(ConnState::new());
+        let io = TokioIo::new(Watched {
+            tcp,
+            state: state.clone(),
+        });
+        let inner = TowerToHyperService::new(self.app.clone());
+        let tracked = state.clone();
+        let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
+            let active = Active::begin(&tracked);
+            let fut = hyper::service::Service::call(&inner, req);
+            async move {
+                let resp = fut.await?;
+                Ok::<_, std::convert::Infallible>(resp.map(|inner| {
+                    Body::new(Tracked {
+                        inner,
+                        _active: active,
+                    })
+                }))
+            }
+        });
+        let conn = self.builder.serve_connection_with_upgrades(io, svc);
+        tokio::pin!(conn);
+        let watchdog = watchdog(&state, &self.rules);
+        tokio::pin!(watchdog);
+        let ended = tokio::select! {
+            r = conn.as_mut() => Some(r),
+            () = self.stop.cancelled() => None,
+            expiry = &mut watchdog => {
+                let kind = match expiry {
+                    Expiry::HeaderRead => "header_read",
+                    Expiry::KeepAlive => "keep_alive",
+                };
+                self.metrics.timeout(self.port, kind);
+                if expiry == Expiry::HeaderRead {
+                    // Nothing to answer (no whole request): close.
+                    return;
+                }
+                None
+            }
+        };
+        let result = match ended {
+            Some(r) => r,
+            None => {
+                conn.as_mut().graceful_shutdown();
+                conn.await
+            }
+        };
+        if let Err(e) = result {
+            let timed_out = e
+                .downcast_ref::<hyper::Error>()
+                .is_some_and(hyper::Error::is_timeout);
+            if timed_out {
+                self.metrics.timeout(self.port, "h2_keep_alive");
+            }
+            tracing::debug!(port = self.port, error = %e, "client connection ended with an error");
+        }
+    }
+}
+
+/// No time recorded.
+const NONE: u64 = 0;
+
+/// What the watchdog reads of one connection; times are milliseconds since its start, plus
+/// one (0 is [`NONE`]).
+#[derive(Debug)]
+struct ConnState {
+    start: Instant,
+    /// Requests whose response has not ended.
+    active: AtomicU32,
+    /// Requests begun on this connection.
+    begun: AtomicU64,
+    /// When the connection last had no request in flight.
+    idle_since: AtomicU64,
+    /// When the first byte of the next request head arrived ([`NONE`]: none yet).
+    head_since: AtomicU64,
+    /// The client speaks HTTP/2: bytes between requests are frames, not heads.
+    h2: AtomicBool,
+    first_read: AtomicBool,
+    /// Wakes the watchdog when a deadline may have moved earlier (a head began, the last
+    /// request ended).
+    changed: Notify,
+}
+
+impl ConnState {
+    fn new() -> Self {
+        ConnState {
+            start: Instant::now(),
+            active: AtomicU32::new(0),
+            begun: AtomicU64::new(0),
+            idle_since: AtomicU64::new(1),
+            head_since: AtomicU64::new(NONE),
+            h2: AtomicBool::new(false),
+            first_read: AtomicBool::new(false),
+            changed: Notify::new(),
+        }
+    }
+
+    fn now(&self) -> u64 {
+        self.start.elapsed().as_millis() as u64 + 1
+    }
+
+    fn at(&self, t: u64) -> Instant {
+        self.start + Duration::from_millis(t.saturating_sub(1))
+    }
+
+    /// Bytes arrived from the client.
+    fn read(&self, first: &[u8]) {
+        if !self.first_read.swap(true, Ordering::Relaxed) && first.starts_with(b"PRI ") {
+            self.h2.store(true, Ordering::Relaxed);
+        }
+        if self.active.load(Ordering::Relaxed) == 0
+            && self.head_since.load(Ordering::Relaxed) == NONE
+            && !self.h2.load(Ordering::Relaxed)
+        {
+            self.head_since.store(self.now(), Ordering::Relaxed);
+            self.changed.notify_one();
+        }
+    }
+
+    /// When the connection expires if nothing changes, and why (`None`: a request is in
+    /// flight).
+    fn deadline(&self, rules: &ConnRules) -> Option<(u64, Expiry)> {
+        if self.active.load(Ordering::Relaxed) > 0 {
+            return None;
+        }
+        let ms = |d: Duration| d.as_millis() as u64;
+        let head = self.head_since.load(Ordering::Relaxed);
+        if head != NONE {
+            return Some((head + ms(rules.header_read), Expiry::HeaderRead));
+        }
+        let idle = self.idle_since.load(Ordering::Relaxed);
+        if self.begun.load(Ordering::Relaxed) == 0 && !self.h2.load(Ordering::Relaxed) {
+            // A connection that never sends a request is a head that never starts.
+            return Some((idle + ms(rules.header_read), Expiry::HeaderRead));
+        }
+        Some((idle + ms(rules.keep_alive), Expiry::KeepAlive))
+    }
+}
+
+/// Waits until the connection expires; re-evaluated when the state changes, and at least
+/// every `min(header_read, keep_alive)` while a request is in flight.
+async fn watchdog(state: &ConnState, rules: &ConnRules) -> Expiry {
+    let recheck = rules.header_read.min(rules.keep_alive);
+    // One timer for the connection's life, moved as the deadline moves.
+    let timer = tokio::time::sleep(recheck);
+    tokio::pin!(timer);
+    loop {
+        let changed = state.changed.notified();
+        let wake = match state.deadline(rules) {
+            Some((at, why)) if state.now() >= at => return why,
+            Some((at, _)) => state.at(at),
+            None => Instant::now() + recheck,
+        };
+        if timer.deadline() != wake {
+            timer.as_mut().reset(wake);
+        }
+        tokio::select! {
+            () = &mut timer => {}
+            () = changed => {}
+        }
+    }
+}
+
+/// One request on the connection, from its complete head to the end of its response body.
+#[derive(Debug)]
+struct Active(Arc<ConnState>);
+
+impl Active {
+    fn begin(state: &Arc<ConnState>) -> Self {
+        state.active.fetch_add(1, Ordering::Relaxed);
+        state.begun.fetch_add(1, Ordering::Relaxed);
+        state.head_since.store(NONE, Ordering::Relaxed);
+        Active(state.clone())
+    }
+}
+
+impl Drop for Active {
+    fn drop(&mut self) {
+        let s = &self.0;
+        if s.active.fetch_sub(1, Ordering::Relaxed) == 1 {
+            s.idle_since.store(s.now(), Ordering::Relaxed);
+            s.changed.notify_one();
+        }
+    }
+}
+
+/// A response body that keeps its request counted as in flight until it ends.
+struct Tracked {
+    inner: Body,
+    _active: Active,
+}
+
+impl http_body::Body for Tracked {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        Pin::new(&mut self.inner).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The client socket, noting when bytes of a request head arrive.
+struct Watched {
+    tcp: TcpStream,
+    state: Arc<ConnState>,
+}
+
+impl AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let this = &mut *self;
+        let r = Pin::new(&mut this.tcp).poll_read(cx, buf);
+        if let Poll::Ready(Ok(())) = &r {
+            let got = &buf.filled()[before..];
+            if !got.is_empty() {
+                this.state.read(got);
+            }
+        }
+        r
+    }
+}
+
+impl AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.tcp.is_write_vectored()
+    }
+}

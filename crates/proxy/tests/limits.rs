@@ -1,0 +1,561 @@
+//! The router under hostile or excessive clients (issue 16): stalled request heads are closed
+//! while other clients are served, the connection cap pauses accepting and resumes, a burst
+//! beyond `max_in_flight` and its queue is shed with 429 + Retry-After while the admitted
+//! requests complete, the admin port's token is enforced, and speculative entries follow the
+//! outcome of the request they were guessed for. Nothing sleeps to wait: tests wait on sockets
+//! closing, responses arriving, or the router's state.
+
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use kinference_proxy::api::ExplainResponse;
+use kinference_proxy::{AdminToken, Config, PoolConfig, Proxy, ReplicaSpec};
+use kinference_testkit::{metric, tokenizer_dir, WAIT};
+use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+const MODEL: &str = "tiny";
+
+/// A replica that reads each request whole (head and `content-length` body) and answers
+/// `status` with a small JSON body, on kept-alive connections; while `hold` is true it waits
+/// before answering.
+async fn replica(status: u16, hold: watch::Receiver<bool>) -> SocketAddr {
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = l.accept().await {
+            let mut hold = hold.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                loop {
+                    let Some(end) = read_request(&mut sock, &mut buf).await else {
+                        return;
+                    };
+                    buf.drain(..end);
+                    if hold.wait_for(|h| !*h).await.is_err() {
+                        return;
+                    }
+                    let body = r#"{"id":"x","object":"text_completion","choices":[]}"#;
+                    let reason = if status == 200 { "OK" } else { "Busy" };
+                    let resp = format!(
+                        "HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    if sock.write_all(resp.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// Reads one request into `buf`; the length of its head and body, or `None` at EOF.
+async fn read_request(sock: &mut TcpStream, buf: &mut Vec<u8>) -> Option<usize> {
+    let mut chunk = [0u8; 8192];
+    loop {
+        if let Some(h) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..h]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            if buf.len() >= h + 4 + len {
+                return Some(h + 4 + len);
+            }
+        }
+        match sock.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+fn open() -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    // Never held: the sender may go.
+    std::mem::forget(tx);
+    rx
+}
+
+fn config(replicas: &[SocketAddr], policy: &str) -> Config {
+    let mut pool = PoolConfig::new(MODEL, tokenizer_dir(), 32);
+    pool.policy = kinference_proxy::parse_policy(policy).unwrap();
+    pool.replicas = replicas
+        .iter()
+        .map(|a| ReplicaSpec::new(&format!("http://{a}")))
+        .collect();
+    let mut c = Config::new(vec![pool]);
+    c.listen = "127.0.0.1:0".into();
+    c.admin = "127.0.0.1:0".into();
+    c.scrape.interval_ms = 0;
+    c.expose_endpoint_header = true;
+    c
+}
+
+/// One HTTP/1.1 request on a fresh connection; (status, headers in lower case, body).
+async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String, String) {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    request_on(&mut s, method, path, body, true).await
+}
+
+/// One request on `s`; with `close`, asks the router to close the connection after it.
+async fn request_on(
+    s: &mut TcpStream,
+    method: &str,
+    path: &str,
+    body: &str,
+    close: bool,
+) -> (u16, String, String) {
+    let conn = if close { "close" } else { "keep-alive" };
+    let req = format!(
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: {conn}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 8192];
+    loop {
+        if let Some(h) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..h]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .map_or(0, |v| v.trim().parse().unwrap());
+            if buf.len() >= h + 4 + len {
+                let status = head[9..12].parse().unwrap();
+                let body = String::from_utf8_lossy(&buf[h + 4..h + 4 + len]).into_owned();
+                return (status, head, body);
+            }
+        }
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed before a whole response: {buf:?}");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+}
+
+async fn metrics_page(proxy: &Proxy) -> String {
+    let (status, _, body) = request(proxy.admin_addr(), "GET", "/metrics", "").await;
+    assert_eq!(status, 200, "{body}");
+    body
+}
+
+/// Reads until the router closes `s`; panics if it sends anything or stays open past `WAIT`.
+async fn closed_by_router(mut s: TcpStream) {
+    let mut b = [0u8; 64];
+    let r = tokio::time::timeout(WAIT, s.read(&mut b))
+        .await
+        .expect("the router never closed the connection");
+    match r {
+        Ok(0) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+        other => panic!("expected the connection closed, got {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_heads_are_closed_while_other_clients_are_served() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.header_read_ms = 300;
+    cfg.threads = Some(2);
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let addr = proxy.data_addr();
+
+    const STALLED: usize = 300;
+    let mut stalled = Vec::with_capacity(STALLED);
+    for i in 0..STALLED {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        // Half a head, and then nothing (every other one sends nothing at all).
+        if i % 2 == 0 {
+            s.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-le")
+                .await
+                .unwrap();
+        }
+        stalled.push(s);
+    }
+    // Served meanwhile, each on a connection of its own.
+    for _ in 0..20 {
+        let (status, _, body) = request(addr, "GET", "/health", "").await;
+        assert_eq!(status, 200, "{body}");
+    }
+    let closing = stalled.into_iter().map(closed_by_router);
+    futures_util::future::join_all(closing).await;
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"kinference_client_timeouts_total{port="data",kind="header_read"}"#
+        ),
+        STALLED as f64,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_body_gets_408_and_an_idle_connection_is_closed() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.body_read_ms = 200;
+    cfg.limits.min_body_rate_bytes_per_s = 0;
+    cfg.timeouts.keep_alive_ms = 200;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let addr = proxy.data_addr();
+
+    // A whole head announcing 1,000 bytes, and 10 of them.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    s.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 1000\r\n\r\n{\"model\":",
+    )
+    .await
+    .unwrap();
+    let mut got = Vec::new();
+    tokio::time::timeout(WAIT, s.read_to_end(&mut got))
+        .await
+        .unwrap()
+        .unwrap();
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(
+        text.to_ascii_lowercase().contains("connection: close"),
+        "{text}"
+    );
+    assert!(text.contains("\"RequestTimeoutError\""), "{text}");
+
+    // A kept-alive connection after its request: closed once idle.
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
+    assert_eq!(status, 200);
+    closed_by_router(s).await;
+
+    let page = metrics_page(&proxy).await;
+    let timeouts = |kind: &str| {
+        metric(
+            &page,
+            &format!(r#"kinference_client_timeouts_total{{port="data",kind="{kind}"}}"#),
+        )
+    };
+    assert_eq!(timeouts("body_read"), 1.0, "{page}");
+    assert_eq!(timeouts("keep_alive"), 1.0, "{page}");
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_begun_on_a_kept_alive_connection_has_the_head_timeout_not_the_idle_one() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.header_read_ms = 200;
+    // Longer than the test waits: only the head timeout can close the connection in time.
+    cfg.timeouts.keep_alive_ms = 10 * WAIT.as_millis() as u64;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
+    assert_eq!(status, 200);
+    s.write_all(b"GET /health HTTP/1.1\r\nho").await.unwrap();
+    closed_by_router(s).await;
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"kinference_client_timeouts_total{port="data",kind="header_read"}"#
+        ),
+        1.0,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_connection_cap_pauses_accepting_and_resumes_when_one_closes() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.limits.max_connections = 4;
+    cfg.threads = Some(1);
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let addr = proxy.data_addr();
+
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
+        assert_eq!(status, 200);
+        held.push(s);
+    }
+    // The fifth is accepted by the kernel but not by the router: its request waits.
+    let fifth = tokio::spawn(async move { request(addr, "GET", "/health", "").await });
+    let page = loop {
+        let page = metrics_page(&proxy).await;
+        if page.contains("kinference_accept_pauses_total{port=\"data\"}") {
+            break page;
+        }
+        tokio::task::yield_now().await;
+    };
+    assert_eq!(
+        metric(&page, r#"kinference_client_connections{port="data"}"#),
+        4.0,
+        "{page}"
+    );
+    assert!(!fifth.is_finished(), "served past the cap");
+    drop(held.pop());
+    let (status, _, body) = tokio::time::timeout(WAIT, fifth)
+        .await
+        .expect("accepting never resumed")
+        .unwrap();
+    assert_eq!(status, 200, "{body}");
+    proxy.shutdown().await;
+}
+
+fn completion(i: usize) -> String {
+    json!({"model": MODEL, "prompt": format!("request {i}"), "max_tokens": 1}).to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_beyond_the_gate_is_shed_with_429_while_admitted_requests_complete() {
+    let (release, hold) = watch::channel(true);
+    let slow = replica(200, hold).await;
+    let mut cfg = config(&[slow], "least-load");
+    cfg.limits.max_in_flight = 2;
+    cfg.limits.max_queue = 2;
+    cfg.limits.retry_after_s = 3;
+    cfg.timeouts.queue_ms = WAIT.as_millis() as u64;
+    let proxy = Arc::new(Proxy::start(cfg).await.unwrap());
+    let addr = proxy.data_addr();
+
+    let mut burst = FuturesUnordered::new();
+    for i in 0..10 {
+        burst.push(tokio::spawn(async move {
+            request(addr, "POST", "/v1/completions", &completion(i)).await
+        }));
+    }
+    // The replica holds the two it has and two more wait in the queue: the first six answers
+    // can only be refusals.
+    for _ in 0..6 {
+        let (status, head, body) = tokio::time::timeout(WAIT, burst.next())
+            .await
+            .expect("no refusal came")
+            .unwrap()
+            .unwrap();
+        assert_eq!(status, 429, "{head}{body}");
+        assert!(head.contains("retry-after: 3"), "{head}");
+        let err: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(err["error"]["type"], "RateLimitError", "{body}");
+        assert_eq!(err["error"]["code"], 429, "{body}");
+    }
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"kinference_shed_requests_total{pool="tiny",reason="queue_full",status="429"}"#
+        ),
+        6.0,
+        "{page}"
+    );
+    assert_eq!(
+        metric(&page, r#"kinference_queued_requests{pool="tiny"}"#),
+        2.0,
+        "{page}"
+    );
+    release.send(false).unwrap();
+    let mut ok = 0;
+    while let Some(done) = tokio::time::timeout(WAIT, burst.next()).await.unwrap() {
+        let (status, head, body) = done.unwrap();
+        assert_eq!(status, 200, "{head}{body}");
+        ok += 1;
+    }
+    assert_eq!(ok, 4, "two in flight and two queued complete");
+    proxy
+        .wait_until(WAIT, |s| {
+            s.pools[0].replicas[0].workers[0].load.in_flight == 0
+        })
+        .await
+        .unwrap();
+    // The gate is free again.
+    let (status, _, body) = request(addr, "POST", "/v1/completions", &completion(99)).await;
+    assert_eq!(status, 200, "{body}");
+    Arc::try_unwrap(proxy).unwrap().shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_token_guards_everything_but_the_probes() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.admin_auth.token = AdminToken::new("s3cret-token\n");
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let admin = proxy.admin_addr();
+
+    let get = |path: &'static str, auth: Option<&'static str>| async move {
+        let mut s = TcpStream::connect(admin).await.unwrap();
+        let auth = auth.map_or(String::new(), |a| format!("authorization: {a}\r\n"));
+        let req = format!("GET {path} HTTP/1.1\r\nhost: x\r\n{auth}connection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).await.unwrap();
+        let text = String::from_utf8_lossy(&got).into_owned();
+        (text[9..12].parse::<u16>().unwrap(), text)
+    };
+    for path in ["/debug/replicas", "/metrics"] {
+        let (status, text) = get(path, None).await;
+        assert_eq!(status, 401, "{text}");
+        assert!(text.contains("\"AuthenticationError\""), "{text}");
+        assert!(
+            text.to_ascii_lowercase()
+                .contains("www-authenticate: bearer"),
+            "{text}"
+        );
+        let (status, _) = get(path, Some("Bearer wrong")).await;
+        assert_eq!(status, 401);
+        let (status, _) = get(path, Some("Bearer s3cret-token-and-more")).await;
+        assert_eq!(status, 401);
+        let (status, text) = get(path, Some("Bearer s3cret-token")).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let (status, text) = get("/livez", None).await;
+    assert_eq!(status, 200, "{text}");
+    let (status, _) = get("/readyz", None).await;
+    assert!(
+        status == 200 || status == 503,
+        "a probe is never refused: {status}"
+    );
+
+    // Explain reveals how a prompt routes: guarded too.
+    let mut s = TcpStream::connect(admin).await.unwrap();
+    let (status, _, body) =
+        request_on(&mut s, "POST", "/debug/explain", &completion(1), true).await;
+    assert_eq!(status, 401, "{body}");
+
+    let (_, page) = get("/metrics", Some("Bearer s3cret-token")).await;
+    assert_eq!(
+        metric_in(&page, "kinference_admin_unauthorized_total"),
+        7.0,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
+
+/// [`metric`] on a raw HTTP answer (head included).
+fn metric_in(answer: &str, series: &str) -> f64 {
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    metric(body, series)
+}
+
+/// A prompt of several 32-token blocks, different per `i`.
+fn long_prompt(i: usize) -> String {
+    let mut s = format!("Conversation {i}. ");
+    for k in 0..40 {
+        s.push_str(&format!(
+            "Turn {k} of conversation {i} talks about caching. "
+        ));
+    }
+    s
+}
+
+async fn explain(proxy: &Proxy, prompt: &str) -> ExplainResponse {
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 1}).to_string();
+    let (status, _, text) = request(proxy.admin_addr(), "POST", "/debug/explain", &body).await;
+    assert_eq!(status, 200, "{text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn speculative_entries_follow_the_outcome() {
+    // Alone, a replica answering 503: its 503 goes back to the client and nothing of the
+    // request's prefix is assumed cached there.
+    let busy = replica(503, open()).await;
+    let proxy = Proxy::start(config(
+        &[busy],
+        "{kind: precise, speculative_ttl_ms: 600000}",
+    ))
+    .await
+    .unwrap();
+    let body = json!({"model": MODEL, "prompt": long_prompt(0), "max_tokens": 1}).to_string();
+    let (status, _, text) = request(proxy.data_addr(), "POST", "/v1/completions", &body).await;
+    assert_eq!(status, 503, "{text}");
+    let e = explain(&proxy, &long_prompt(0)).await;
+    assert!(e.blocks > 2, "{e:?}");
+    assert_eq!(proxy.status().pools[0].tracked_entries, 0, "{e:?}");
+    assert_eq!(e.candidates[0].speculative_blocks, 0, "{e:?}");
+    proxy.shutdown().await;
+
+    // Next to a replica that answers: every request ends there (directly, or after the 503),
+    // and only that replica holds speculative entries.
+    let ok = replica(200, open()).await;
+    let proxy = Proxy::start(config(
+        &[busy, ok],
+        "{kind: precise, speculative_ttl_ms: 600000}",
+    ))
+    .await
+    .unwrap();
+    let mut blocks = 0;
+    for i in 1..=6 {
+        let body = json!({"model": MODEL, "prompt": long_prompt(i), "max_tokens": 1}).to_string();
+        let (status, head, text) =
+            request(proxy.data_addr(), "POST", "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{text}");
+        assert!(
+            head.contains(&format!("x-kinference-endpoint: {ok}")),
+            "{head}"
+        );
+        let e = explain(&proxy, &long_prompt(i)).await;
+        for c in &e.candidates {
+            let want = if c.replica == format!("http://{ok}") {
+                e.blocks as u32
+            } else {
+                0
+            };
+            assert_eq!(c.speculative_blocks, want, "{e:#?}");
+        }
+        blocks += e.blocks;
+    }
+    assert_eq!(proxy.status().pools[0].tracked_entries, blocks);
+    let page = metrics_page(&proxy).await;
+    assert!(
+        metric(
+            &page,
+            r#"kinference_retries_total{pool="tiny",kind="unavailable"}"#
+        ) >= 1.0,
+        "the 503 replica was tried: {page}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn http2_clients_are_served_through_the_same_accept_loop() {
+    let ok = replica(200, open()).await;
+    let proxy = Proxy::start(config(&[ok], "least-load")).await.unwrap();
+    let client = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let mut answers = Vec::new();
+    for i in 0..4 {
+        let c = client.clone();
+        let url = format!("http://{}/v1/completions", proxy.data_addr());
+        answers.push(tokio::spawn(async move {
+            c.post(url)
+                .header("content-type", "application/json")
+                .body(completion(i))
+                .send()
+                .await
+                .unwrap()
+        }));
+    }
+    for a in answers {
+        let resp = a.await.unwrap();
+        assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+        assert_eq!(resp.status(), 200);
+    }
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(&page, r#"kinference_client_connections{port="data"}"#),
+        1.0,
+        "four requests as streams of one connection: {page}"
+    );
+    proxy.shutdown().await;
+}
