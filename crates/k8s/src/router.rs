@@ -358,6 +358,7 @@ mod tests {
             events_error: None,
             prefix_cache_hits: Some(30.0),
             prefix_cache_queries: Some(100.0),
+            scrapes: Default::default(),
             workers: Vec::new(),
         }
     }
