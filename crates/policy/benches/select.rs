@@ -77,7 +77,8 @@ fn bench_select(c: &mut Criterion) {
 
 /// `select` + `apply` over `n` candidates, each decision timed alone, for a stream of
 /// prompts that vary (each shares a prefix with one of 64 earlier ones), with speculative
-/// entries accumulating as under load. Prints p50, p99, p99.9 and the maximum.
+/// entries accumulating as under load and expired once a (simulated) second, as the router
+/// does. Prints p50, p99, p99.9 and the maximum.
 fn decision_percentiles(n: u32, decisions: u64) {
     let mut cands = candidates(n);
     let mut policy = Policy::new(PolicyConfig::default());
@@ -106,6 +107,10 @@ fn decision_percentiles(n: u32, decisions: u64) {
             ticket: t,
         };
         let now = Duration::from_millis(t);
+        // The router expires speculative entries once a second (`t` is in ms).
+        if t.is_multiple_of(1000) {
+            policy.expire(now);
+        }
         let start = Instant::now();
         let d = policy.select(&req, &cands, now);
         policy.apply(&d, &hs, now);
