@@ -61,8 +61,10 @@ pub(crate) fn parse(text: &str) -> Scraped {
                 out.engines.entry(engine()).or_default().waiting += value
             }
             "vllm:kv_cache_usage_perc" => {
+                // A fraction: a replica reporting +Inf, a negative value or more than 1 must
+                // not weigh on its load beyond a full cache (NaN is ignored by `max`).
                 let e = out.engines.entry(engine()).or_default();
-                e.kv_usage = e.kv_usage.max(value);
+                e.kv_usage = e.kv_usage.max(value.clamp(0.0, 1.0));
             }
             "vllm:prefix_cache_hits_total" => {
                 *out.prefix_cache_hits.get_or_insert(0.0) += value;
@@ -449,6 +451,17 @@ vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 2
         assert_eq!(c.prefix_caching, Some(true));
         assert_eq!(s.prefix_cache_hits, Some(64.0));
         assert_eq!(s.prefix_cache_queries, Some(120.0));
+    }
+
+    #[test]
+    fn kv_usage_out_of_range_is_clamped_to_a_fraction() {
+        let page = "vllm:kv_cache_usage_perc{engine=\"0\"} +Inf\n\
+                    vllm:kv_cache_usage_perc{engine=\"1\"} -3\n\
+                    vllm:kv_cache_usage_perc{engine=\"2\"} NaN\n\
+                    vllm:kv_cache_usage_perc{engine=\"3\"} 0.4\n";
+        let s = parse(page);
+        let usage: Vec<f64> = s.engines.values().map(|e| e.kv_usage).collect();
+        assert_eq!(usage, vec![1.0, 0.0, 0.0, 0.4]);
     }
 
     fn health_with(block_size: Option<u32>, roots: &[(&BlockHasher, u32)]) -> WorkerHealth {
