@@ -42,12 +42,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  (cd "$REPO" && cargo build -q --release -p kinference)
-  BIN=${CARGO_TARGET_DIR:-$REPO/target}/release/kinference
-fi
-[ -x "$BIN" ] || die "$BIN is not an executable"
+BIN=$(kinference_binary "$REPO" release "${1:-}") || die "no kinference binary"
 # 6,000 client sockets in this shell's load process, as many in the router.
 ulimit -n "$(ulimit -Hn)"
 [ "$(ulimit -n)" -ge 16000 ] || die "ulimit -n is $(ulimit -n); 16000 descriptors are needed"

@@ -63,12 +63,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # --- the binary
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  (cd "$REPO" && cargo build -q -p kinference)
-  BIN=$REPO/target/debug/kinference
-fi
-[ -x "$BIN" ] || die "$BIN is not an executable"
+BIN=$(kinference_binary "$REPO" debug "${1:-}") || die "no kinference binary"
 
 # --- a venv with the pinned openai SDK
 OPENAI_PIN=$(grep -E '^openai==' "$REQS") || die "no openai pin in $REQS"

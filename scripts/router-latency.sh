@@ -123,13 +123,7 @@ if [ -n "$LOAD_CPUS$ROUTER_CPUS" ]; then
 fi
 
 # --- kinference
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  log "cargo build --release -p kinference"
-  (cd "$REPO" && cargo build -q --release -p kinference) || die "the build failed"
-  BIN=$REPO/target/release/kinference
-fi
-[ -x "$BIN" ] || die "$BIN is not an executable"
+BIN=$(kinference_binary "$REPO" release "${1:-}") || die "no kinference binary"
 "$BIN" serve --help >/dev/null 2>&1 || die "$BIN has no working 'serve' command"
 
 # --- peers: one venv each, installed with uv when missing or at another version

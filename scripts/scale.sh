@@ -44,12 +44,7 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  (cd "$REPO" && cargo build -q -p kinference)
-  BIN=${CARGO_TARGET_DIR:-$REPO/target}/debug/kinference
-fi
-[ -x "$BIN" ] || die "$BIN is not an executable"
+BIN=$(kinference_binary "$REPO" debug "${1:-}") || die "no kinference binary"
 # A thousand replicas: ~3000 listening ports in the simulator, ~3000 sockets in the router.
 ulimit -n "$(ulimit -Hn)"
 TCK=$(getconf CLK_TCK)

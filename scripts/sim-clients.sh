@@ -45,12 +45,7 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 # --- the simulator binary
-BIN=${1:-}
-if [ -z "$BIN" ]; then
-  (cd "$REPO" && cargo build -q -p kinference)
-  BIN=$REPO/target/debug/kinference
-fi
-[ -x "$BIN" ] || die "$BIN is not an executable"
+BIN=$(kinference_binary "$REPO" debug "${1:-}") || die "no kinference binary"
 SUB=()
 [ "$(basename "$BIN")" = kinference ] && SUB=(sim)
 

@@ -38,3 +38,18 @@ stop_tree() {
   [ -z "$kids" ] || kill -KILL $kids 2>/dev/null || true
   return 0
 }
+
+# kinference_binary REPO PROFILE [GIVEN]: prints the `kinference` binary to run: GIVEN when
+# given (it must be executable), else the one `cargo build -p kinference` makes in PROFILE
+# (debug or release), under CARGO_TARGET_DIR when that is set. Fails, saying why, otherwise.
+kinference_binary() {
+  local repo=$1 profile=$2 bin=${3:-} flags=()
+  if [ -z "$bin" ]; then
+    [ "$profile" = release ] && flags=(--release)
+    (cd "$repo" && cargo build -q "${flags[@]}" -p kinference) >&2 ||
+      { echo "cargo build ${flags[*]} -p kinference failed" >&2; return 1; }
+    bin=${CARGO_TARGET_DIR:-$repo/target}/$profile/kinference
+  fi
+  [ -x "$bin" ] || { echo "$bin is not an executable" >&2; return 1; }
+  echo "$bin"
+}
