@@ -252,6 +252,19 @@ impl EventPlane {
             .map(|t| t.health.borrow().clone())
     }
 
+    /// `read` applied to one worker's health in place, without copying it (its root samples
+    /// hold token ids): for callers that need a few fields of many workers often.
+    pub fn with_health<R>(
+        &self,
+        worker: WorkerId,
+        read: impl FnOnce(&WorkerHealth) -> R,
+    ) -> Option<R> {
+        self.workers
+            .lock()
+            .get(&worker)
+            .map(|t| read(&t.health.borrow()))
+    }
+
     /// A receiver that sees every health change of `worker` (hold it to read without locks).
     pub fn watch_health(&self, worker: WorkerId) -> Option<watch::Receiver<WorkerHealth>> {
         self.workers.lock().get(&worker).map(|t| t.health.clone())

@@ -305,9 +305,11 @@ fn activity(pool: &Pool, replica: &Replica) -> Activity {
     }
     if let Some(plane) = pool.plane() {
         for rank in 0..replica.dp_size() {
-            if let Some(h) = plane.health(replica.worker(rank)) {
-                a.messages += h.messages;
-                a.connected += usize::from(h.connected);
+            if let Some((messages, connected)) =
+                plane.with_health(replica.worker(rank), |h| (h.messages, h.connected))
+            {
+                a.messages += messages;
+                a.connected += usize::from(connected);
             }
         }
     }
