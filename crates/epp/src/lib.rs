@@ -1,0 +1,1 @@
+//! kinference-epp: the endpoint picker (Envoy ext_proc, the Gateway API Inference Extension protocol).

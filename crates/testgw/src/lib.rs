@@ -1,0 +1,1 @@
+//! kinference-testgw: a test gateway that behaves like Envoy toward an endpoint picker.
