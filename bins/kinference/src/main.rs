@@ -6,6 +6,7 @@
 mod bench;
 mod crdgen;
 mod demo;
+mod epp;
 mod serve;
 mod sim;
 
@@ -32,6 +33,9 @@ struct Cli {
 enum Command {
     /// Run the cache-aware OpenAI-compatible router.
     Serve(serve::ServeArgs),
+    /// Run the endpoint picker for an inference gateway (Envoy ext_proc, Gateway API
+    /// Inference Extension protocol): the router's decisions, the gateway carries the bytes.
+    Epp(epp::EppArgs),
     /// Run one or more simulated vLLM replicas (no GPU).
     Sim(sim::SimArgs),
     /// Replay a trace against routing policies and report TTFT, hit rate and GPU time.
@@ -53,6 +57,7 @@ fn main() -> anyhow::Result<()> {
         .init();
     match cli.command {
         Command::Serve(a) => serve::run(a),
+        Command::Epp(a) => epp::run(a),
         Command::Sim(a) => sim::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Demo(a) => demo::run(a),

@@ -355,6 +355,12 @@ impl ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    run_with(args, None)
+}
+
+/// Runs the router with the HTTP data port, or with `front` (the endpoint picker's gRPC
+/// server) on the `listen` address instead.
+pub fn run_with(args: ServeArgs, front: Option<kinference_proxy::Front>) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let namespace = args.namespace();
     let kubeconfig = args.kubeconfig.clone();
@@ -380,7 +386,19 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
                  else from --tokenizer/--block-size or the config file",
             )?;
         }
-        let proxy = Proxy::start(cfg).await?;
+        let proxy = match front {
+            None => Proxy::start(cfg).await?,
+            Some(front) => {
+                let bind = |addr: String| async move {
+                    tokio::net::TcpListener::bind(&addr)
+                        .await
+                        .with_context(|| format!("binding {addr}"))
+                };
+                let listener = bind(cfg.listen.clone()).await?;
+                let admin = bind(cfg.admin.clone()).await?;
+                Proxy::start_front(cfg, listener, admin, front).await?
+            }
+        };
         let discovery = discover(&proxy, client, &namespace);
         // Discovery stops first, so that no replica joins a router that is shutting down.
         let stop_discovery = async move {

@@ -24,7 +24,8 @@ use serde::Deserialize;
 use crate::api::{CandidateScore, ExplainResponse, Health};
 use crate::error::RequestError;
 use crate::fleet::{Fleet, Pool, Replica};
-use crate::metrics::PoolKind;
+use crate::limits::{Admitted, ShedLabels};
+use crate::metrics::{DecisionLabels, KindLabel, PoolKind, PoolLabel, RequestLabels};
 
 /// Which OpenAI API a routed request uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,14 +63,16 @@ struct Head {
 
 /// A parsed request, ready for a decision.
 #[derive(Debug)]
-pub(crate) struct Prepared<'f> {
-    pub pool: &'f Arc<Pool>,
+pub(crate) struct Prepared {
+    pub pool: Arc<Pool>,
     pub model: String,
     pub hashes: Vec<BlockHash>,
     pub prompt_tokens: u32,
     pub tokenize_error: Option<String>,
     pub session: Option<String>,
     pub ticket: u64,
+    /// Only these replicas (`host:port` authorities) may be chosen: a gateway's subset hint.
+    pub subset: Option<Vec<String>>,
 }
 
 /// A request body's pool, found from its `model` before any tokenizing (so that a request
@@ -90,26 +93,26 @@ pub(crate) fn lookup<'f>(fleet: &'f Fleet, body: &[u8]) -> Result<Looked<'f>, Re
 
 /// Parses and tokenizes a request body and hashes its prompt's full blocks.
 /// With `peek`, the request does not take a ticket (explaining must not move the rotation).
-pub(crate) fn prepare<'f>(
-    fleet: &'f Fleet,
+pub(crate) fn prepare(
+    fleet: &Fleet,
     api: Api,
     body: &[u8],
     headers: &HeaderMap,
     peek: bool,
-) -> Result<Prepared<'f>, RequestError> {
+) -> Result<Prepared, RequestError> {
     let looked = lookup(fleet, body)?;
     prepare_looked(fleet, api, looked, body, headers, peek)
 }
 
 /// [`prepare`] for a body whose pool was already looked up.
-pub(crate) fn prepare_looked<'f>(
-    fleet: &'f Fleet,
+pub(crate) fn prepare_looked(
+    fleet: &Fleet,
     api: Api,
-    looked: Looked<'f>,
+    looked: Looked<'_>,
     body: &[u8],
     headers: &HeaderMap,
     peek: bool,
-) -> Result<Prepared<'f>, RequestError> {
+) -> Result<Prepared, RequestError> {
     let Looked { pool, lora, head } = looked;
     let model = head
         .model
@@ -140,7 +143,7 @@ pub(crate) fn prepare_looked<'f>(
         .and_then(|v| v.to_str().ok())
         .map(str::to_owned);
     Ok(Prepared {
-        pool,
+        pool: pool.clone(),
         model,
         hashes,
         prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
@@ -151,6 +154,7 @@ pub(crate) fn prepare_looked<'f>(
         } else {
             pool.ticket()
         },
+        subset: None,
     })
 }
 
@@ -204,8 +208,8 @@ pub(crate) struct Target {
 
 /// A routed request: its decision and the replicas to try, best first.
 #[derive(Debug)]
-pub(crate) struct Routed<'f> {
-    pub prepared: Prepared<'f>,
+pub(crate) struct Routed {
+    pub prepared: Prepared,
     pub decision: Decision,
     pub targets: Vec<Target>,
     /// The speculative entries the decision recorded, until the outcome is known.
@@ -214,9 +218,9 @@ pub(crate) struct Routed<'f> {
 
 /// Decides where a prepared request goes and records the decision's effects on the policy
 /// (speculative entries) under the same lock hold.
-pub(crate) fn route<'f>(fleet: &Fleet, prepared: Prepared<'f>) -> Routed<'f> {
+pub(crate) fn route(fleet: &Fleet, prepared: Prepared) -> Routed {
     let (decision, applied) = select(fleet, &prepared, true);
-    let pool = prepared.pool;
+    let pool = &prepared.pool;
     let targets = decision
         .ranked
         .iter()
@@ -245,7 +249,7 @@ pub(crate) fn route<'f>(fleet: &Fleet, prepared: Prepared<'f>) -> Routed<'f> {
 /// failed before a response head. The speculative entries follow: kept when the first choice
 /// answered; taken back otherwise, and when a fallback answered, that worker, not the first
 /// choice, now holds the prefix.
-pub(crate) fn landed(fleet: &Fleet, routed: &mut Routed<'_>, used: Option<usize>) {
+pub(crate) fn landed(fleet: &Fleet, routed: &mut Routed, used: Option<usize>) {
     if used == Some(0) {
         return;
     }
@@ -267,11 +271,11 @@ pub(crate) fn landed(fleet: &Fleet, routed: &mut Routed<'_>, used: Option<usize>
 }
 
 /// Replicas of `pool` for a request the policy does not rank: the least loaded first (by
-/// in-flight requests), ties rotated so that they spread.
-pub(crate) fn by_load(pool: &Pool) -> Vec<Target> {
+/// in-flight requests), ties rotated so that they spread; only those in `subset` if given.
+pub(crate) fn by_load(pool: &Pool, subset: Option<&[String]>) -> Vec<Target> {
     let ticket = pool.ticket() as usize;
     let all = pool.replicas();
-    let mut rs: Vec<_> = usable(&all).collect();
+    let mut rs: Vec<_> = usable(&all, subset).collect();
     if !rs.is_empty() {
         let n = rs.len();
         rs.rotate_left(ticket % n);
@@ -287,22 +291,32 @@ pub(crate) fn by_load(pool: &Pool) -> Vec<Target> {
         .collect()
 }
 
-/// The replicas a request may go to: every one not known to be down, or all of them when
-/// every one is down.
-fn usable(replicas: &[Arc<Replica>]) -> impl Iterator<Item = &Arc<Replica>> {
-    let all_down = replicas.iter().all(|r| r.health() == Health::Down);
+/// The replicas a request may go to: of those in `subset` (all when `None`), every one not
+/// known to be down, or all of them when every one is down.
+fn usable<'r>(
+    replicas: &'r [Arc<Replica>],
+    subset: Option<&'r [String]>,
+) -> impl Iterator<Item = &'r Arc<Replica>> {
+    let allowed = move |r: &&Arc<Replica>| {
+        subset.is_none_or(|s| s.iter().any(|a| a == r.endpoint.authority.as_str()))
+    };
+    let all_down = replicas
+        .iter()
+        .filter(allowed)
+        .all(|r| r.health() == Health::Down);
     replicas
         .iter()
+        .filter(allowed)
         .filter(move |r| all_down || r.health() != Health::Down)
 }
 
 /// The workers a request may go to, with their load and cached prefix.
-fn candidates(pool: &Pool, hashes: &[BlockHash]) -> Vec<Candidate> {
+fn candidates(pool: &Pool, hashes: &[BlockHash], subset: Option<&[String]>) -> Vec<Candidate> {
     let matches =
         (pool.uses_index && !hashes.is_empty()).then(|| pool.index.read().longest_prefix(hashes));
     let all = pool.replicas();
     let mut out = Vec::with_capacity(all.len());
-    for r in usable(&all) {
+    for r in usable(&all, subset) {
         let scorable = r.is_scorable();
         for (rank, w) in r.workers.iter().enumerate() {
             let worker = r.worker(rank);
@@ -323,8 +337,8 @@ fn candidates(pool: &Pool, hashes: &[BlockHash]) -> Vec<Candidate> {
 
 /// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
 /// the policy (speculative entries) are recorded under the same lock hold.
-fn select(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> (Decision, Applied) {
-    let candidates = candidates(p.pool, &p.hashes);
+fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied) {
+    let candidates = candidates(&p.pool, &p.hashes, p.subset.as_deref());
     let ctx = RequestCtx {
         hashes: &p.hashes,
         prompt_tokens: p.prompt_tokens,
@@ -344,7 +358,7 @@ fn select(fleet: &Fleet, p: &Prepared<'_>, apply: bool) -> (Decision, Applied) {
 }
 
 /// The `/debug/explain` answer for a prepared request.
-pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared<'_>) -> ExplainResponse {
+pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared) -> ExplainResponse {
     let (decision, _) = select(fleet, p, false);
     let candidates = decision
         .scores
@@ -380,4 +394,77 @@ pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared<'_>) -> ExplainRespo
         chosen: decision.chosen().map(|w| w.to_string()),
         candidates,
     }
+}
+
+/// A place at `pool`'s gate, or the 429 (503 when the pool has no usable replica) to answer,
+/// counted.
+pub(crate) async fn admit(fleet: &Fleet, pool: &Pool) -> Result<Admitted, RequestError> {
+    let shed = match pool.gate.admit().await {
+        Ok(a) => return Ok(a),
+        Err(shed) => shed,
+    };
+    let no_replica = pool.replicas().iter().all(|r| r.health() == Health::Down);
+    let err = RequestError::Overloaded {
+        pool: pool.name.clone(),
+        reason: shed.as_str(),
+        no_replica,
+        retry_after_s: fleet.settings.limits.retry_after_s,
+    };
+    fleet
+        .metrics
+        .limits
+        .shed
+        .get_or_create(&ShedLabels {
+            pool: pool.name.clone(),
+            reason: shed.as_str(),
+            status: err.status().as_u16(),
+        })
+        .inc();
+    Err(err)
+}
+
+pub(crate) fn record_decision(fleet: &Fleet, routed: &Routed) {
+    let (p, decision) = (&routed.prepared, &routed.decision);
+    let m = &fleet.metrics;
+    m.decisions
+        .get_or_create(&DecisionLabels {
+            pool: p.pool.name.clone(),
+            policy: decision.policy,
+            reason: decision.reason.as_str(),
+        })
+        .inc();
+    m.prompt_tokens
+        .get_or_create(&PoolLabel {
+            pool: p.pool.name.clone(),
+        })
+        .inc_by(u64::from(p.prompt_tokens));
+    tracing::debug!(
+        pool = %p.pool.name,
+        prompt_tokens = p.prompt_tokens,
+        blocks = p.hashes.len(),
+        reason = decision.reason.as_str(),
+        chosen = ?decision.chosen(),
+        "routing decision"
+    );
+}
+
+/// Counts a request the router answers with its own error (`route` is the metric label).
+pub(crate) fn count_rejected(fleet: &Fleet, route: &'static str, err: &RequestError) {
+    let status = err.status();
+    if status.is_server_error() {
+        tracing::warn!(route, error = %err, "request failed");
+    } else {
+        tracing::debug!(route, error = %err, "request refused");
+    }
+    let m = &fleet.metrics;
+    m.router_errors
+        .get_or_create(&KindLabel { kind: err.label() })
+        .inc();
+    m.requests
+        .get_or_create(&RequestLabels {
+            route,
+            replica: String::new(),
+            status: status.as_u16(),
+        })
+        .inc();
 }

@@ -98,6 +98,14 @@ impl RequestError {
         }
     }
 
+    /// Seconds the client should wait before retrying (`Retry-After`), when the router says.
+    pub fn retry_after_s(&self) -> Option<u32> {
+        match self {
+            RequestError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
+            _ => None,
+        }
+    }
+
     pub fn body(&self) -> ErrorBody {
         let param = match self {
             RequestError::UnknownModel(_) => Some("model".to_owned()),
@@ -117,17 +125,14 @@ impl RequestError {
 impl IntoResponse for RequestError {
     fn into_response(self) -> Response {
         let mut resp = json_response(self.status(), &self.body());
-        match &self {
-            RequestError::Overloaded { retry_after_s, .. } => {
-                resp.headers_mut()
-                    .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after_s));
-            }
-            // The rest of the body was not read: the connection cannot carry another request.
-            RequestError::BodyTimeout { .. } => {
-                resp.headers_mut()
-                    .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            }
-            _ => {}
+        if let Some(s) = self.retry_after_s() {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        // The rest of the body was not read: the connection cannot carry another request.
+        if let RequestError::BodyTimeout { .. } = &self {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

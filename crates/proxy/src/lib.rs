@@ -83,10 +83,12 @@ mod body;
 mod conn;
 mod decide;
 mod forward;
+mod pick;
 mod server;
 
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -104,6 +106,7 @@ pub use config::{
 };
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers};
+pub use pick::{Pick, PickRequest, Picker};
 
 use crate::admin::AdminState;
 use crate::fleet::Fleet;
@@ -127,6 +130,22 @@ fn spawn_series_sweep(fleet: &Arc<Fleet>) -> Option<JoinHandle<()>> {
             f.forget_left_replicas();
         }
     }))
+}
+
+/// A front door served by the caller instead of the HTTP data port (the endpoint picker's gRPC
+/// server): given the fleet's [`Picker`], the listener and the stop token, a future that serves
+/// until the token is cancelled and the requests it carries have ended.
+pub type Front = Box<
+    dyn FnOnce(Picker, TcpListener, CancellationToken) -> Pin<Box<dyn Future<Output = ()> + Send>>
+        + Send,
+>;
+
+/// What the data listener serves.
+enum Door {
+    /// The OpenAI/vLLM HTTP API, on the data-plane threads.
+    Http(TcpListener),
+    /// A caller's protocol, on the caller's runtime.
+    Front(TcpListener, Front),
 }
 
 /// A running router: both ports served, background tasks running.
@@ -153,7 +172,7 @@ impl Proxy {
         };
         let data = bind(config.listen.clone()).await?;
         let admin = bind(config.admin.clone()).await?;
-        Self::start_resolved(config, resolved, data, admin).await
+        Self::start_resolved(config, resolved, Door::Http(data), admin).await
     }
 
     /// Starts on listeners bound by the caller (`listen` and `admin` in `config` are unused).
@@ -163,13 +182,26 @@ impl Proxy {
         admin: TcpListener,
     ) -> Result<Proxy, StartError> {
         let resolved = config.resolve()?;
-        Self::start_resolved(config, resolved, data, admin).await
+        Self::start_resolved(config, resolved, Door::Http(data), admin).await
+    }
+
+    /// Starts with the caller's front door on `front` instead of the HTTP data port (the
+    /// fleet, its background tasks and the admin port as with [`Proxy::start_with`]).
+    /// [`Proxy::data_addr`] is then `front`'s address.
+    pub async fn start_front(
+        config: Config,
+        front: TcpListener,
+        admin: TcpListener,
+        serve: Front,
+    ) -> Result<Proxy, StartError> {
+        let resolved = config.resolve()?;
+        Self::start_resolved(config, resolved, Door::Front(front, serve), admin).await
     }
 
     async fn start_resolved(
         config: Config,
         resolved: config::Resolved,
-        data: TcpListener,
+        door: Door,
         admin: TcpListener,
     ) -> Result<Proxy, StartError> {
         let metrics = Metrics::new();
@@ -216,8 +248,64 @@ impl Proxy {
         background.extend(spawn_series_sweep(&fleet));
         let stop = CancellationToken::new();
         let cut = CancellationToken::new();
-        let data_addr = data.local_addr()?;
         let admin_addr = admin.local_addr()?;
+        let (data_addr, mut servers) = match door {
+            Door::Http(data) => {
+                let addr = data.local_addr()?;
+                match Self::spawn_shards(&config, &fleet, data, &stop, &cut).await {
+                    Ok(servers) => (addr, servers),
+                    Err(e) => {
+                        for h in &background {
+                            h.abort();
+                        }
+                        return Err(e.into());
+                    }
+                }
+            }
+            Door::Front(listener, serve) => {
+                let addr = listener.local_addr()?;
+                let front = serve(Picker::new(fleet.clone()), listener, stop.clone());
+                (addr, vec![tokio::spawn(front)])
+            }
+        };
+        let admin_app = admin::router(Arc::new(AdminState {
+            fleet: fleet.clone(),
+            registry,
+            token: resolved_admin_token,
+            open_metrics: config.admin_auth.open_metrics,
+        }));
+        // The admin port has places of its own: a flood of the data port must not cut off
+        // probes and scrapes.
+        servers.push(tokio::spawn(conn::serve(
+            admin,
+            admin_app,
+            stop.clone(),
+            "admin",
+            conn::Places::new(ADMIN_CONNECTIONS),
+            conn::ConnRules::new(&config.timeouts, &config.limits),
+            fleet.metrics.limits.clone(),
+        )));
+        tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), "router started");
+        Ok(Proxy {
+            data_addr,
+            admin_addr,
+            fleet,
+            stop,
+            cut,
+            servers,
+            background,
+        })
+    }
+
+    /// Serves the HTTP data port on `threads` data-plane threads (one per CPU by default);
+    /// the handles complete when the threads have stopped.
+    async fn spawn_shards(
+        config: &Config,
+        fleet: &Arc<Fleet>,
+        data: TcpListener,
+        stop: &CancellationToken,
+        cut: &CancellationToken,
+    ) -> std::io::Result<Vec<JoinHandle<()>>> {
         let threads = config.threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
@@ -238,49 +326,25 @@ impl Proxy {
                 Err(e) => {
                     // The shards already running stop with their token.
                     stop.cancel();
-                    for h in &background {
-                        h.abort();
-                    }
-                    return Err(e.into());
+                    return Err(e);
                 }
             };
             servers.push(tokio::spawn(async move {
                 let _ = done.await;
             }));
         }
-        drop(data);
-        let admin_app = admin::router(Arc::new(AdminState {
-            fleet: fleet.clone(),
-            registry,
-            token: resolved_admin_token,
-            open_metrics: config.admin_auth.open_metrics,
-        }));
-        // The admin port has places of its own: a flood of the data port must not cut off
-        // probes and scrapes.
-        servers.push(tokio::spawn(conn::serve(
-            admin,
-            admin_app,
-            stop.clone(),
-            "admin",
-            conn::Places::new(ADMIN_CONNECTIONS),
-            conn::ConnRules::new(&config.timeouts, &config.limits),
-            fleet.metrics.limits.clone(),
-        )));
-        tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), threads, "router started");
-        Ok(Proxy {
-            data_addr,
-            admin_addr,
-            fleet,
-            stop,
-            cut,
-            servers,
-            background,
-        })
+        tracing::debug!(threads, "data-plane threads started");
+        Ok(servers)
     }
 
-    /// The data port (the OpenAI API).
+    /// The data port (the OpenAI API), or the front door's address.
     pub fn data_addr(&self) -> SocketAddr {
         self.data_addr
+    }
+
+    /// Decisions for a gateway that forwards requests itself (see [`Picker`]).
+    pub fn picker(&self) -> Picker {
+        Picker::new(self.fleet.clone())
     }
 
     /// The admin port.

@@ -185,6 +185,9 @@ pub(crate) struct Metrics {
     pub tokenize_fallbacks: Family<PoolKind, Counter>,
     /// `kind` = ok | failed | idle (a tick that skipped a quiet replica).
     pub scrapes: Family<PoolKind, Counter>,
+    /// Endpoint picker: how a picked request's gateway reported the endpoint that served it
+    /// (`kind` = first | fallback | elsewhere | unreported).
+    pub served: Family<PoolKind, Counter>,
     /// Shedding, client-side timeouts, connections (`crate::limits`).
     pub limits: LimitMetrics,
 }
@@ -205,6 +208,7 @@ impl Metrics {
             client_disconnects: Family::default(),
             tokenize_fallbacks: Family::default(),
             scrapes: Family::default(),
+            served: Family::default(),
             limits: LimitMetrics::default(),
         }
     }
@@ -290,6 +294,13 @@ impl Metrics {
             "Scrape ticks of the replicas' /metrics by pool and outcome: ok, failed, or idle \
              (skipped: the replica was quiet since its last scrape, see scrape.idle_interval_ms)",
             self.scrapes.clone(),
+        );
+        r.register(
+            "kinference_picker_served",
+            "Endpoint picker: requests by pool and where the gateway says they were served: \
+             first (the first endpoint picked), fallback (a later one of the list), elsewhere \
+             (an endpoint not picked) or unreported (the stream ended without a response)",
+            self.served.clone(),
         );
         self.limits.register(&mut r);
         r.register_collector(Box::new(StateCollector { snapshot }));

@@ -26,10 +26,9 @@ use crate::api::Health;
 use crate::body::{path_and_query, read_body};
 use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
-use crate::fleet::{Fleet, Pool};
+use crate::fleet::Fleet;
 use crate::forward::{forward, Accounting, Forward};
-use crate::limits::{Admitted, ShedLabels};
-use crate::metrics::{DecisionLabels, KindLabel, PoolLabel, RequestLabels};
+use crate::metrics::RequestLabels;
 use crate::upstream::Upstream;
 
 /// What the data port's handlers share: the fleet, and the upstream client of the thread
@@ -69,7 +68,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(l) => l,
         Err(e) => return reject(&fleet, label, e),
     };
-    let admitted = match admit(&fleet, looked.pool).await {
+    let admitted = match decide::admit(&fleet, looked.pool).await {
         Ok(a) => a,
         Err(e) => return reject(&fleet, label, e),
     };
@@ -78,8 +77,8 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Err(e) => return reject(&fleet, label, e),
     };
     let mut routed = decide::route(&fleet, prepared);
-    record_decision(&fleet, &routed);
-    let (pool, prompt_tokens) = (routed.prepared.pool, routed.prepared.prompt_tokens);
+    decide::record_decision(&fleet, &routed);
+    let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
         accounting: Accounting::Routed {
@@ -109,77 +108,9 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     }
 }
 
-/// A place at `pool`'s gate, or the 429 (503 when the pool has no usable replica) to answer,
-/// counted.
-async fn admit(fleet: &Fleet, pool: &Pool) -> Result<Admitted, RequestError> {
-    let shed = match pool.gate.admit().await {
-        Ok(a) => return Ok(a),
-        Err(shed) => shed,
-    };
-    let no_replica = pool.replicas().iter().all(|r| r.health() == Health::Down);
-    let err = RequestError::Overloaded {
-        pool: pool.name.clone(),
-        reason: shed.as_str(),
-        no_replica,
-        retry_after_s: fleet.settings.limits.retry_after_s,
-    };
-    fleet
-        .metrics
-        .limits
-        .shed
-        .get_or_create(&ShedLabels {
-            pool: pool.name.clone(),
-            reason: shed.as_str(),
-            status: err.status().as_u16(),
-        })
-        .inc();
-    Err(err)
-}
-
-fn record_decision(fleet: &Fleet, routed: &decide::Routed<'_>) {
-    let (p, decision) = (&routed.prepared, &routed.decision);
-    let m = &fleet.metrics;
-    m.decisions
-        .get_or_create(&DecisionLabels {
-            pool: p.pool.name.clone(),
-            policy: decision.policy,
-            reason: decision.reason.as_str(),
-        })
-        .inc();
-    m.prompt_tokens
-        .get_or_create(&PoolLabel {
-            pool: p.pool.name.clone(),
-        })
-        .inc_by(u64::from(p.prompt_tokens));
-    tracing::debug!(
-        pool = %p.pool.name,
-        prompt_tokens = p.prompt_tokens,
-        blocks = p.hashes.len(),
-        reason = decision.reason.as_str(),
-        chosen = ?decision.chosen(),
-        "routing decision"
-    );
-}
-
 /// Answers a request with the router's own error, and counts it.
 fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> Response {
-    let status = err.status();
-    if status.is_server_error() {
-        tracing::warn!(route, error = %err, "request failed");
-    } else {
-        tracing::debug!(route, error = %err, "request refused");
-    }
-    let m = &fleet.metrics;
-    m.router_errors
-        .get_or_create(&KindLabel { kind: err.label() })
-        .inc();
-    m.requests
-        .get_or_create(&RequestLabels {
-            route,
-            replica: String::new(),
-            status: status.as_u16(),
-        })
-        .inc();
+    decide::count_rejected(fleet, route, &err);
     err.into_response()
 }
 
@@ -227,11 +158,11 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
         Ok((p, _)) => p.clone(),
         Err(e) => return reject(&fleet, route, e),
     };
-    let admitted = match admit(&fleet, &pool).await {
+    let admitted = match decide::admit(&fleet, &pool).await {
         Ok(a) => a,
         Err(e) => return reject(&fleet, route, e),
     };
-    let targets = decide::by_load(&pool);
+    let targets = decide::by_load(&pool, None);
     let fwd = Forward {
         route,
         accounting: Accounting::Passthrough,
