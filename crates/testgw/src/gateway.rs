@@ -517,29 +517,27 @@ impl Shared {
             }
             _ => (Some(body), None),
         };
-        let answer = loop {
-            match ex.recv().await {
-                Ok(ProcessingResponse {
-                    response: Some(Resp::ResponseHeaders(h)),
-                    ..
-                }) => break h,
-                Ok(ProcessingResponse {
-                    response: Some(Resp::ImmediateResponse(i)),
-                    ..
-                }) => {
-                    abort(duplex_sender);
-                    self.stats.count(Event::Immediate);
-                    tokio::spawn(ex.close());
-                    return immediate_reply(&i);
-                }
-                Ok(_) => {
-                    abort(duplex_sender);
-                    return self.response_failure(protocol("expected a response_headers response"));
-                }
-                Err(e) => {
-                    abort(duplex_sender);
-                    return self.response_failure(e);
-                }
+        let answer = match ex.recv().await {
+            Ok(ProcessingResponse {
+                response: Some(Resp::ResponseHeaders(h)),
+                ..
+            }) => h,
+            Ok(ProcessingResponse {
+                response: Some(Resp::ImmediateResponse(i)),
+                ..
+            }) => {
+                abort(duplex_sender);
+                self.stats.count(Event::Immediate);
+                tokio::spawn(ex.close());
+                return immediate_reply(&i);
+            }
+            Ok(_) => {
+                abort(duplex_sender);
+                return self.response_failure(protocol("expected a response_headers response"));
+            }
+            Err(e) => {
+                abort(duplex_sender);
+                return self.response_failure(e);
             }
         };
         if let Some(m) = answer
