@@ -2,11 +2,11 @@
 # Checks of charts/kinference-crds and charts/kinference with the real tools and a real API
 # server (one started by `scripts/k8s-testenv.sh up DIR`):
 #   - helm lint and helm template over every values file in charts/kinference/ci/, each
-#     rendering validated by the API server (server-side dry run); values that must be refused
-#     are refused;
+#     rendering validated by the API server (server-side dry run, after the CRDs are installed:
+#     ci/epp-mode-values.yaml renders an InferencePool); values that must be refused are refused;
 #   - the InferencePool CRD's schema equals upstream's (GIE, from the Go module proxy);
 #   - helm install --no-hooks of both charts (no kubelet: nothing waits for pods), then the
-#     objects they created, and RBAC as the router's ServiceAccount: `kubectl auth can-i` for
+#     objects they created (serve mode, and epp mode with the InferencePool created), and RBAC as the router's ServiceAccount: `kubectl auth can-i` for
 #     allowed and denied verbs, and real requests with a token of that ServiceAccount;
 #   - `k8s-testenv.sh pod-ready` gives a pod the status a kubelet would.
 # Every failed check is reported; the exit status is 1 when any failed.
@@ -67,7 +67,7 @@ print(yaml.safe_dump_all(docs))' "$WORK/$name.yaml" >"$WORK/$name.server.yaml"
         check "ci/$name: API server accepts the objects (dry run)" \
             kubectl create --dry-run=server -f "$WORK/$name.server.yaml"
     done
-    if grep -q "kind: ServiceMonitor" "$WORK/xxhash-epp-monitoring-values.yaml"; then
+    if grep -q "kind: ServiceMonitor" "$WORK/xxhash-monitoring-values.yaml"; then
         ok "ServiceMonitor rendered when enabled"
     else bad "no ServiceMonitor rendered when enabled"; fi
     check "template kinference-crds installInferencePool=true" helm template c "$CRDS" --set installInferencePool=true
@@ -90,6 +90,19 @@ refused_values() {
     refuse "misspelt setting (schema)" helm template r "$CHART" -f "$d" --set replicaCoutn=3
     refuse "ServiceMonitor without its CRD" helm template r "$CHART" -f "$d" --set serviceMonitor.enabled=true
     refuse "unknown kinference-crds value" helm template c "$CRDS" --set installInferencePools=true
+    refuse "unknown mode (schema)" helm template r "$CHART" -f "$d" --set mode=proxy
+    refuse "unknown request body mode (schema)" helm template r "$CHART" -f "$d" --set mode=epp \
+        --set epp.requestBodyMode=streamed
+    refuse "unknown failureMode (schema)" helm template r "$CHART" -f "$d" --set epp.failureMode=Open
+    refuse "service.epp.enabled, replaced by mode (schema)" helm template r "$CHART" -f "$d" \
+        --set service.epp.enabled=true
+    local e="$CHART/ci/epp-mode-values.yaml"
+    refuse "inferencePool.create without matchLabels" helm template r "$CHART" -f "$e" \
+        --set inferencePool.matchLabels=null
+    refuse "inferencePool.create in another namespace" helm template r "$CHART" -n chart-ci -f "$e" \
+        --set inferencePool.namespace=models
+    refuse "nine inferencePool.targetPorts (schema)" helm template r "$CHART" -f "$e" \
+        --set 'inferencePool.targetPorts={1,2,3,4,5,6,7,8,9}'
 }
 
 # The schema (descriptions aside) of our InferencePool CRD against upstream GIE's, read from the
@@ -293,19 +306,54 @@ second_release() {
     kubectl create namespace kinference-b >/dev/null
     kubectl -n kinference-b create serviceaccount kinference-router >/dev/null
     check "install kinference-b" helm install b "$CHART" -n kinference-b --no-hooks \
-        -f "$CHART/ci/xxhash-epp-monitoring-values.yaml" --set serviceMonitor.enabled=false
+        -f "$CHART/ci/xxhash-monitoring-values.yaml" --set serviceMonitor.enabled=false
     equal "replicas" 3 "$(jp -n kinference-b deployment b-kinference -o jsonpath='{.spec.replicas}')"
-    equal "service ports" "http admin epp" \
+    equal "service ports" "http admin" \
         "$(jp -n kinference-b service b-kinference -o jsonpath='{.spec.ports[*].name}')"
     local sa=system:serviceaccount:kinference-b:kinference-router
     equal "b can list pods in models" yes "$(kubectl auth can-i --as=$sa list pods -n models 2>/dev/null || true)"
     equal "b cannot list pods in its own namespace" no "$(kubectl auth can-i --as=$sa list pods -n kinference-b 2>/dev/null || true)"
 }
 
+epp_release() {
+    echo "== epp mode (ci/epp-mode-values.yaml) with the InferencePool, into namespace kinference-epp"
+    check "install e" helm install e "$CHART" -n kinference-epp --create-namespace --no-hooks \
+        -f "$CHART/ci/epp-mode-values.yaml"
+    local d=(-n kinference-epp deployment e-kinference) c='{.spec.template.spec.containers[0]'
+    local args
+    args=$(jp "${d[@]}" -o jsonpath="$c.args}")
+    case $args in
+        '["epp","--listen=0.0.0.0:9002","--admin=0.0.0.0:9090","--namespace=kinference-epp","--inference-pool=llama",'*'"--request-body-mode=full-duplex","--response-body-mode=buffered","--keepalive-s=30"]') ok "epp arguments" ;;
+        *) bad "epp arguments: $args" ;;
+    esac
+    equal "container ports" "epp:9002 admin:9090" \
+        "$(jp "${d[@]}" -o jsonpath='{range .spec.template.spec.containers[0].ports[*]}{.name}:{.containerPort} {end}' | sed 's/ $//')"
+    equal "probes on the admin port" "/healthz admin /readyz admin" \
+        "$(jp "${d[@]}" -o jsonpath="$c.livenessProbe.httpGet.path} $c.livenessProbe.httpGet.port} $c.readinessProbe.httpGet.path} $c.readinessProbe.httpGet.port}")"
+    equal "service ports" "epp:9002:kubernetes.io/h2c admin:9090:http" \
+        "$(jp -n kinference-epp service e-kinference -o jsonpath='{range .spec.ports[*]}{.name}:{.port}:{.appProtocol} {end}' | sed 's/ $//')"
+    local p=(-n kinference-epp inferencepool llama)
+    equal "InferencePool selector, ports, protocol" '{"app":"vllm-llama"} 8000,8001 http' \
+        "$(jp "${p[@]}" -o jsonpath='{.spec.selector.matchLabels} {.spec.targetPorts[0].number},{.spec.targetPorts[1].number} {.spec.appProtocol}')"
+    equal "endpointPickerRef" "/Service e-kinference 9002 FailOpen" \
+        "$(jp "${p[@]}" -o jsonpath='{.spec.endpointPickerRef.group}/{.spec.endpointPickerRef.kind} {.spec.endpointPickerRef.name} {.spec.endpointPickerRef.port.number} {.spec.endpointPickerRef.failureMode}')"
+    equal "the Service the pool names has its port" 9002 \
+        "$(jp -n kinference-epp service "$(jp "${p[@]}" -o jsonpath='{.spec.endpointPickerRef.name}')" \
+            -o jsonpath="{.spec.ports[?(@.port==$(jp "${p[@]}" -o jsonpath='{.spec.endpointPickerRef.port.number}'))].port}")"
+    equal "Role in the release namespace" e-kinference "$(jp -n kinference-epp role e-kinference -o jsonpath='{.metadata.name}')"
+    equal "e can read its InferencePool" yes \
+        "$(kubectl auth can-i --as=system:serviceaccount:kinference-epp:e-kinference get inferencepools.inference.networking.k8s.io/llama -n kinference-epp 2>/dev/null || true)"
+    check "upgrade e to FailClose (the CRD's default)" helm upgrade e "$CHART" -n kinference-epp --no-hooks \
+        -f "$CHART/ci/epp-mode-values.yaml" --set epp.failureMode=FailClose
+    equal "failureMode after upgrade" FailClose "$(jp "${p[@]}" -o jsonpath='{.spec.endpointPickerRef.failureMode}')"
+}
+
 uninstall() {
     echo "== helm uninstall"
     check "uninstall kinference" helm uninstall kinference -n kinference
     check "uninstall b" helm uninstall b -n kinference-b
+    check "uninstall e" helm uninstall e -n kinference-epp
+    refuse "InferencePool of e removed" kubectl -n kinference-epp get inferencepool llama
     check "uninstall kinference-crds" helm uninstall kinference-crds
     check "InferencePool CRD kept (helm.sh/resource-policy: keep)" \
         kubectl get crd inferencepools.inference.networking.k8s.io
@@ -322,16 +370,17 @@ main() {
     kubectl version -o json | "$PY" -c 'import json, sys
 v = json.load(sys.stdin); print("kubectl", v["clientVersion"]["gitVersion"], "server", v["serverVersion"]["gitVersion"])'
     helm version --short
+    install_crds
     lint_and_template
     refused_values
     inferencepool_schema
-    install_crds
     inferencepool_validation
     install_router
     rbac
     pod_ready
     rbac_with_token
     second_release
+    epp_release
     uninstall
     echo
     if [ "$failures" -gt 0 ]; then

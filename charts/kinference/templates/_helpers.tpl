@@ -48,10 +48,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* `kinference serve` arguments: addresses, then either the config file or the one pool. */}}
+{{/* "true" in epp mode (`kinference epp`), "" in serve mode; any other mode fails. */}}
+{{- define "kinference.epp" -}}
+{{- if eq .Values.mode "epp" }}true
+{{- else if ne .Values.mode "serve" }}
+{{- fail (printf "mode must be serve or epp, not %q" .Values.mode) }}
+{{- end }}
+{{- end }}
+
+{{/* The container's arguments: the subcommand and its listen address (the OpenAI port in serve
+mode, the gRPC port in epp mode), the admin address, then either the config file or the one
+pool, then the picker's own flags in epp mode. */}}
 {{- define "kinference.args" -}}
+{{- if include "kinference.epp" . -}}
+- epp
+- {{ print "--listen=0.0.0.0:" .Values.ports.epp | quote }}
+{{- else -}}
 - serve
 - {{ print "--listen=0.0.0.0:" .Values.ports.http | quote }}
+{{- end }}
 - {{ print "--admin=0.0.0.0:" .Values.ports.admin | quote }}
 {{- if .Values.config }}
 - --config=/etc/kinference/config.yaml
@@ -77,7 +92,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - {{ print "--policy=" . | quote }}
 {{- end }}
 {{- end }}
+{{- if include "kinference.epp" . }}
+- {{ print "--request-body-mode=" .Values.epp.requestBodyMode | quote }}
+- {{ print "--response-body-mode=" .Values.epp.responseBodyMode | quote }}
+- {{ print "--keepalive-s=" .Values.epp.keepaliveSeconds | quote }}
+{{- end }}
 {{- with .Values.extraArgs }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/* The created InferencePool's name; it lives in the release namespace. */}}
+{{- define "kinference.inferencePoolName" -}}
+{{- required "inferencePool.name is required with inferencePool.create" .Values.inferencePool.name }}
 {{- end }}
