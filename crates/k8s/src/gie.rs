@@ -71,8 +71,9 @@ pub struct EndpointPickerRef {
     pub kind: Option<String>,
     #[serde(default)]
     pub name: String,
+    /// `{number}`, as in `targetPorts`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub port_number: Option<u16>,
+    pub port: Option<TargetPort>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failure_mode: Option<String>,
 }
@@ -90,4 +91,24 @@ fn opaque_list(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "type": "array",
         "items": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn a_v1_endpoint_picker_ref_keeps_its_port() {
+        let spec: InferencePoolSpec = serde_json::from_value(serde_json::json!({
+            "selector": {"matchLabels": {"app": "vllm"}},
+            "targetPorts": [{"number": 8000}],
+            "endpointPickerRef": {"kind": "Service", "name": "epp", "port": {"number": 9002},
+                                  "failureMode": "FailOpen"}
+        }))
+        .unwrap();
+        let epp = spec.endpoint_picker_ref.unwrap();
+        assert_eq!(epp.port, Some(TargetPort { number: 9002 }));
+        assert_eq!(epp.failure_mode.as_deref(), Some("FailOpen"));
+    }
 }
