@@ -106,3 +106,27 @@ while time.monotonic() < deadline:
 sys.exit(f"no 200 from {url} within {secs:.0f} s (last: {last})")
 PYEOF
 }
+
+# wait_port HOST:PORT PID SECS: waits until HOST:PORT accepts a TCP connection while PID lives
+# (for servers that bind their port only once they can serve, e.g. llm-d's endpoint picker
+# gates its ext_proc listener on its endpoint discovery); fails after SECS seconds.
+wait_port() {
+  python3 - "$1" "$2" "$3" <<'PYEOF'
+import os, socket, sys, time
+addr, pid, secs = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+host, port = addr.rsplit(":", 1)
+deadline, last = time.monotonic() + secs, "no attempt"
+while time.monotonic() < deadline:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        sys.exit("exited")
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+        sys.exit(0)
+    except OSError as e:
+        last = str(e)
+    time.sleep(0.1)
+sys.exit(f"{addr} did not accept within {secs:.0f} s (last: {last})")
+PYEOF
+}
