@@ -219,7 +219,32 @@ impl Exchange {
     /// body mode requires.
     async fn decide(&mut self, with_body: bool) -> Vec<ProcessingResponse> {
         self.phase = Phase::Answered;
-        let body = std::mem::take(&mut self.body);
+        let mut body = std::mem::take(&mut self.body);
+        let rewrite = self
+            .head
+            .headers
+            .get(wire::MODEL_REWRITE)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|m| !m.is_empty())
+            .map(str::to_owned);
+        let mut rewritten = false;
+        if let Some(model) = &rewrite {
+            match wire::rewrite_model(&body, model) {
+                Some(b) if with_body => {
+                    body = b;
+                    rewritten = true;
+                }
+                _ => {
+                    let err = RequestError::BadRequest(format!(
+                        "{} asks for model `{model}`, but the request has no JSON body to rewrite",
+                        wire::MODEL_REWRITE
+                    ));
+                    self.picker.count_rejected(&err);
+                    return vec![refusal(&err)];
+                }
+            }
+        }
         let picked = self
             .picker
             .pick(PickRequest {
@@ -233,7 +258,10 @@ impl Exchange {
             Ok(p) => p,
             Err(e) => return vec![refusal(&e)],
         };
-        let common = wire::destination_common(pick.endpoints(), pick.dp_rank());
+        let mut common = wire::destination_common(pick.endpoints(), pick.dp_rank());
+        if rewritten {
+            wire::rewritten(&mut common, body.len());
+        }
         let metadata = wire::destination_metadata(pick.endpoints());
         self.pick = Some(pick);
         let mut out = Vec::new();
@@ -250,6 +278,9 @@ impl Exchange {
                 out.extend(wire::request_body_streamed(&body));
             }
             (true, BodyMode::Acked) => {
+                if rewritten {
+                    wire::replace_body(&mut common, body);
+                }
                 let mut r = wire::request_body(Some(common));
                 r.dynamic_metadata = Some(metadata);
                 out.push(r);

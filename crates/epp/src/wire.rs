@@ -31,6 +31,9 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// Key of the subset hint: the endpoints (`ip:port`) the picker may choose from.
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+/// A gateway's request to serve the request as another model: the picker routes it as that
+/// model and rewrites the body's `model` (it owns the body on its way through).
+pub const MODEL_REWRITE: &str = "x-gateway-model-name-rewrite";
 /// vLLM's header pinning a data-parallel rank.
 pub const DP_RANK: &str = "x-data-parallel-rank";
 /// Largest body chunk streamed back (Envoy recommends at most 64 KiB per message).
@@ -156,6 +159,34 @@ pub fn destination_common(endpoints: &[String], dp_rank: Option<usize>) -> Commo
         clear_route_cache: true,
         ..CommonResponse::default()
     }
+}
+
+/// `body` with its top-level `model` set to `model`; `None` when the body is not a JSON object.
+pub fn rewrite_model(body: &[u8], model: &str) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    v.as_object_mut()?.insert(
+        "model".to_owned(),
+        serde_json::Value::String(model.to_owned()),
+    );
+    serde_json::to_vec(&v).ok()
+}
+
+/// Adds to a destination answer what a rewritten body needs: its new length, and the rewrite
+/// header removed (it was for the picker).
+pub fn rewritten(common: &mut CommonResponse, len: usize) {
+    let m = common
+        .header_mutation
+        .get_or_insert_with(HeaderMutation::default);
+    m.set_headers
+        .push(set_header("content-length", len.to_string()));
+    m.remove_headers.push(MODEL_REWRITE.to_owned());
+}
+
+/// The whole body replaced (buffered and streamed modes).
+pub fn replace_body(common: &mut CommonResponse, body: Vec<u8>) {
+    common.body_mutation = Some(BodyMutation {
+        mutation: Some(body_mutation::Mutation::Body(body)),
+    });
 }
 
 /// `envoy.lb` / `x-gateway-destination-endpoint`: the ordered endpoint list.
@@ -396,6 +427,15 @@ mod tests {
         }
         assert_eq!(back, body);
         assert_eq!(request_body_streamed(&[]).len(), 1);
+    }
+
+    #[test]
+    fn a_model_rewrite_changes_only_the_model() {
+        let out = rewrite_model(br#"{"model":"a","prompt":"hi","n":2}"#, "b").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v, serde_json::json!({"model": "b", "prompt": "hi", "n": 2}));
+        assert_eq!(rewrite_model(b"[1,2]", "b"), None);
+        assert_eq!(rewrite_model(b"{oops", "b"), None);
     }
 
     #[test]

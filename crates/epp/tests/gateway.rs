@@ -45,14 +45,24 @@ fn config(replicas: Vec<ReplicaSpec>, scrape_ms: u64) -> Config {
     cfg.listen = "127.0.0.1:0".into();
     cfg.admin = "127.0.0.1:0".into();
     cfg.scrape.interval_ms = scrape_ms;
+    cfg.timeouts.drain_ms = 100;
     cfg
 }
 
 async fn wait_up(proxy: &Proxy, n: usize) {
-    proxy
+    let s = proxy
         .wait_until(WAIT, |s| s.readiness().pools[0].healthy_replicas == n)
         .await
         .unwrap_or_else(|s| panic!("replicas never came up: {s:#?}"));
+    // Events published before the subscription is up are lost until the next gap check.
+    for r in &s.pools[0].replicas {
+        if r.workers[0].events.is_some() {
+            proxy
+                .wait_for_events(&r.url, 0, WAIT, |h| h.connected)
+                .await
+                .unwrap();
+        }
+    }
 }
 
 async fn epp(cfg: Config) -> Proxy {
@@ -205,6 +215,7 @@ async fn through_the_gateway_the_picker_gets_the_cache_hits_serve_gets() {
             "{page}"
         );
     }
+    serve.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -243,6 +254,7 @@ async fn the_gateway_falls_back_past_a_dead_first_choice_and_the_picker_accounts
     );
     assert_eq!(fell_back, stats.fallbacks as f64, "{page}");
     assert_eq!(picker.in_flight(), 0);
+    picker.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -265,4 +277,5 @@ async fn subset_hints_hold_through_the_gateway() {
     for ep in &served {
         assert!(only.contains(ep), "{ep} is outside the subset {only:?}");
     }
+    picker.shutdown().await;
 }

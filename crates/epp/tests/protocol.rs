@@ -68,6 +68,8 @@ async fn picker(sims: &[Server], speculative_ms: u64) -> Proxy {
     let mut cfg = Config::new(vec![p]);
     cfg.scrape.interval_ms = 50;
     cfg.limits.max_body_bytes = 64 << 10;
+    // Streams the tests leave open would hold shutdown for the whole drain time.
+    cfg.timeouts.drain_ms = 100;
     let front = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let admin = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let proxy = Proxy::start_front(
@@ -84,6 +86,26 @@ async fn picker(sims: &[Server], speculative_ms: u64) -> Proxy {
         })
         .await
         .unwrap_or_else(|s| panic!("replicas never came up: {s:#?}"));
+    // Events published before the subscription is up are lost until the next gap check.
+    for s in sims {
+        proxy
+            .wait_for_events(&format!("http://{}", s.addr), 0, WAIT, |h| h.connected)
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{e}: {:#?}",
+                    proxy.status().pools[0]
+                        .replicas
+                        .iter()
+                        .map(|r| (
+                            r.url.clone(),
+                            r.events_error.clone(),
+                            r.workers[0].events.clone()
+                        ))
+                        .collect::<Vec<_>>()
+                )
+            });
+    }
     proxy
 }
 
@@ -140,14 +162,24 @@ fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
 }
 
 fn request_headers(path: &str, end_of_stream: bool) -> ProcessingRequest {
+    request_headers_with(path, end_of_stream, &[])
+}
+
+fn request_headers_with(
+    path: &str,
+    end_of_stream: bool,
+    extra: &[(&str, &str)],
+) -> ProcessingRequest {
+    let mut all = vec![
+        (":method", "POST"),
+        (":path", path),
+        (":authority", "gateway"),
+        ("content-type", "application/json"),
+    ];
+    all.extend_from_slice(extra);
     ProcessingRequest {
         request: Some(processing_request::Request::RequestHeaders(HttpHeaders {
-            headers: Some(headers(&[
-                (":method", "POST"),
-                (":path", path),
-                (":authority", "gateway"),
-                ("content-type", "application/json"),
-            ])),
+            headers: Some(headers(&all)),
             end_of_stream,
             ..HttpHeaders::default()
         })),
@@ -366,6 +398,18 @@ async fn full_duplex_picks_after_the_body_and_a_repeated_prefix_goes_where_it_is
         .wait_for_events(&url, 0, WAIT, |h| h.entries >= blocks && !h.stale)
         .await
         .unwrap();
+    // The admin API is the router's: /debug/explain says what the picker will choose.
+    let explain: serde_json::Value = reqwest::Client::new()
+        .post(format!("http://{}/debug/explain", proxy.admin_addr()))
+        .body(completion(&prompt(1, "Explain?")))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(explain["reason"], "cached_prefix", "{explain}");
+    assert_eq!(explain["candidates"][0]["replica"], url, "{explain}");
     for q in ["And the hash?", "And the seed?"] {
         let mut s = open(&proxy).await;
         let again =
@@ -395,6 +439,7 @@ async fn full_duplex_picks_after_the_body_and_a_repeated_prefix_goes_where_it_is
         ) >= 2.0,
         "{page}"
     );
+    proxy.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -434,6 +479,7 @@ async fn buffered_mode_answers_every_message_and_puts_the_destination_on_the_bod
     };
     assert!(b.response.is_none());
     wait_no_in_flight(&proxy).await;
+    proxy.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -475,6 +521,7 @@ async fn the_subset_hint_limits_the_pick_and_an_empty_subset_is_an_immediate_503
     let err: serde_json::Value = serde_json::from_slice(&ir.body).unwrap();
     assert_eq!(err["error"]["code"], 503, "{err}");
     wait_no_in_flight(&proxy).await;
+    proxy.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -515,6 +562,7 @@ async fn bad_requests_get_immediate_openai_errors() {
         ),
         1.0
     );
+    proxy.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -560,6 +608,7 @@ async fn a_fallback_the_gateway_reports_takes_the_claim_and_the_speculative_entr
         ),
         1.0
     );
+    proxy.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -615,6 +664,7 @@ async fn garbage_and_cut_streams_end_cleanly_without_leaking_claims() {
     drop(s);
     wait_no_in_flight(&proxy).await;
     assert_eq!(proxy.in_flight(), 0);
+    proxy.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -661,4 +711,69 @@ async fn a_request_without_a_body_is_picked_on_its_headers_and_health_says_servi
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_model_rewrite_routes_as_the_new_model_and_rewrites_the_body() {
+    let sims = sims(1).await;
+    let proxy = picker(&sims, 0).await;
+    let payload =
+        serde_json::to_vec(&json!({"model": "alias", "prompt": "Rewrite me", "max_tokens": 2}))
+            .unwrap();
+    for mode in [BodySendMode::FullDuplexStreamed, BodySendMode::Buffered] {
+        let mut s = open(&proxy).await;
+        s.send(with_mode(
+            request_headers_with("/v1/completions", false, &[(wire::MODEL_REWRITE, MODEL)]),
+            mode,
+        ))
+        .await;
+        if mode == BodySendMode::Buffered {
+            assert!(matches!(
+                s.next().await,
+                processing_response::Response::RequestHeaders(_)
+            ));
+        }
+        s.send(body(&payload, true)).await;
+        let msg = s.next_full().await;
+        let (common, sent) = match msg.response.clone().unwrap() {
+            processing_response::Response::RequestHeaders(h) => {
+                let processing_response::Response::RequestBody(b) = s.next().await else {
+                    panic!("expected the streamed body");
+                };
+                let Some(body_mutation::Mutation::StreamedResponse(sr)) =
+                    b.response.unwrap().body_mutation.unwrap().mutation
+                else {
+                    panic!("not streamed");
+                };
+                (h.response.unwrap(), sr.body)
+            }
+            processing_response::Response::RequestBody(b) => {
+                let c = b.response.unwrap();
+                let Some(body_mutation::Mutation::Body(sent)) =
+                    c.body_mutation.clone().unwrap().mutation
+                else {
+                    panic!("buffered: the body is replaced whole");
+                };
+                (c, sent)
+            }
+            other => panic!("{mode:?}: {other:?}"),
+        };
+        let (_, list) = destination(&common, &msg);
+        assert_eq!(list, vec![sims[0].addr.to_string()]);
+        let v: serde_json::Value = serde_json::from_slice(&sent).unwrap();
+        assert_eq!(v["model"], MODEL);
+        assert_eq!(v["prompt"], "Rewrite me");
+        let m = common.header_mutation.unwrap();
+        let len = m
+            .set_headers
+            .iter()
+            .filter_map(|o| o.header.as_ref())
+            .find(|h| h.key == "content-length")
+            .map(|h| String::from_utf8(h.raw_value.clone()).unwrap());
+        assert_eq!(len, Some(sent.len().to_string()));
+        assert_eq!(m.remove_headers, vec![wire::MODEL_REWRITE.to_owned()]);
+    }
+    wait_no_in_flight(&proxy).await;
+    proxy.shutdown().await;
 }
