@@ -146,9 +146,12 @@ async fn through_the_gateway_the_picker_gets_the_cache_hits_serve_gets() {
     // Each document's second and third questions find its prefix: about 2/3 of the tokens.
     assert!(serve_rate > 0.55, "serve hit rate {serve_rate}");
 
-    for mode in [
-        RequestBodyMode::FullDuplexStreamed,
-        RequestBodyMode::Buffered,
+    for (mode, without_waiting) in [
+        (RequestBodyMode::FullDuplexStreamed, false),
+        (RequestBodyMode::Buffered, false),
+        // Envoy's send_body_without_waiting_for_header_response: the body arrives before
+        // the headers were answered.
+        (RequestBodyMode::Buffered, true),
     ] {
         let sims = sims(3).await;
         let picker = epp(config(
@@ -159,6 +162,7 @@ async fn through_the_gateway_the_picker_gets_the_cache_hits_serve_gets() {
         wait_up(&picker, 3).await;
         let gw = gateway(&picker, sims.iter().map(|s| s.addr).collect(), |c| {
             c.request_body_mode = mode;
+            c.send_body_without_waiting = without_waiting;
             c.chunk_size = 1024;
         })
         .await;

@@ -91,6 +91,10 @@ pub struct GatewayConfig {
     pub chunk_size: usize,
     /// Subset hint sent on every request unless the request carries `x-test-subset`.
     pub subset_hint: Option<Vec<String>>,
+    /// Buffered mode: send the body right after the headers instead of waiting for the
+    /// headers' answer (Envoy's `send_body_without_waiting_for_header_response`; pickers that
+    /// answer the headers only once they have the body need it).
+    pub send_body_without_waiting: bool,
     /// Route on our own (round robin over `endpoints`) when the picker is unreachable or fails
     /// before naming a destination; otherwise answer 503.
     pub fail_open: bool,
@@ -114,6 +118,7 @@ impl GatewayConfig {
             response_body_mode: ResponseBodyMode::default(),
             chunk_size: DEFAULT_CHUNK_SIZE,
             subset_hint: None,
+            send_body_without_waiting: false,
             fail_open: false,
             endpoints,
             picker_timeout: Duration::from_secs(10),

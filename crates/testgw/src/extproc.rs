@@ -193,6 +193,7 @@ pub(crate) fn split_list(s: &str) -> Vec<String> {
 pub(crate) fn protocol_config(
     request: RequestBodyMode,
     response: ResponseBodyMode,
+    without_waiting: bool,
 ) -> ProtocolConfiguration {
     let request_body_mode = match request {
         RequestBodyMode::FullDuplexStreamed => BodySendMode::FullDuplexStreamed,
@@ -206,8 +207,8 @@ pub(crate) fn protocol_config(
     ProtocolConfiguration {
         request_body_mode: request_body_mode as i32,
         response_body_mode: response_body_mode as i32,
-        send_body_without_waiting_for_header_response: request
-            == RequestBodyMode::FullDuplexStreamed,
+        send_body_without_waiting_for_header_response: without_waiting
+            || request == RequestBodyMode::FullDuplexStreamed,
     }
 }
 

@@ -326,6 +326,7 @@ impl Shared {
             protocol_config: Some(extproc::protocol_config(
                 mode,
                 self.config.response_body_mode,
+                self.config.send_body_without_waiting,
             )),
             ..Default::default()
         };
@@ -350,6 +351,10 @@ impl Shared {
             }
             RequestBodyMode::Buffered => {
                 exchange::send(&outbox.tx, &outbox.last_sent, headers_msg).await?;
+                if self.config.send_body_without_waiting && !body.is_empty() {
+                    let msg = body_request(body.clone(), true, false);
+                    exchange::send(&outbox.tx, &outbox.last_sent, msg).await?;
+                }
             }
         }
         let mut ex = outbox
@@ -367,7 +372,9 @@ impl Shared {
         };
         let mut headers_answered = false;
         let mut body_done = body.is_empty();
-        let mut body_sent = body.is_empty() || mode == RequestBodyMode::FullDuplexStreamed;
+        let mut body_sent = body.is_empty()
+            || mode == RequestBodyMode::FullDuplexStreamed
+            || self.config.send_body_without_waiting;
         while !(headers_answered && body_done) {
             let resp = ex.recv().await?;
             state.note_metadata(&resp, &ex.last_sent, &self.stats);

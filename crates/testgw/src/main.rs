@@ -35,6 +35,10 @@ struct Args {
     /// Subset hint sent with every request, comma-separated ip:port.
     #[arg(long, value_delimiter = ',')]
     subset: Option<Vec<String>>,
+    /// Buffered mode: send the body without waiting for the headers' answer (Envoy's
+    /// send_body_without_waiting_for_header_response).
+    #[arg(long)]
+    body_without_waiting: bool,
     /// Route round robin over --endpoints when the picker fails, instead of answering 503.
     #[arg(long)]
     fail_open: bool,
@@ -62,6 +66,7 @@ async fn main() -> anyhow::Result<()> {
     config.chunk_size = args.chunk_size.max(1);
     config.subset_hint = args.subset;
     config.fail_open = args.fail_open;
+    config.send_body_without_waiting = args.body_without_waiting;
     config.picker_timeout = Duration::from_millis(args.picker_timeout_ms);
     config.upstream_connect_timeout = Duration::from_millis(args.connect_timeout_ms);
     config.upstream_response_timeout = Duration::from_millis(args.response_timeout_ms);
