@@ -368,9 +368,18 @@ pub fn run_with(args: ServeArgs, front: Option<kinference_proxy::Front>) -> anyh
     // carries the background work (event streams into the index, scrapes, discovery, the admin
     // port). One worker keeps that work from waking a second thread per KV-event batch, which
     // took CPU from the data plane (BENCHMARKS.md, "Router latency"); the index ingests
-    // millions of block events per second on one core.
+    // millions of block events per second on one core. A front door of the caller's (the
+    // endpoint picker's gRPC server) runs on this runtime instead, so it gets `threads` workers:
+    // its tokenizing would otherwise queue behind itself and the background work on one thread.
+    let workers = match (&front, cfg.threads) {
+        (None, _) => 1,
+        (Some(_), Some(n)) => n.max(1),
+        (Some(_), None) => {
+            std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+        }
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(workers)
         .enable_all()
         .thread_name("kinference")
         .build()
