@@ -60,7 +60,7 @@ impl Default for Settings {
     }
 }
 
-/// The ext_proc service: one [`exchange::Exchange`] per stream.
+/// The ext_proc service: one stream state machine (`exchange.rs`) per stream.
 #[derive(Debug, Clone)]
 pub struct Epp {
     picker: Picker,
