@@ -559,3 +559,102 @@ async fn http2_clients_are_served_through_the_same_accept_loop() {
     );
     proxy.shutdown().await;
 }
+
+/// HTTP/2 frame types read or written by hand.
+const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
+const ACK: u8 = 0x1;
+
+/// One HTTP/2 frame on stream 0.
+fn h2_frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = len.to_be_bytes()[1..].to_vec();
+    f.extend_from_slice(&[kind, flags, 0, 0, 0, 0]);
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The next frame from `s` as (type, flags, payload); `None` once the router closed it.
+async fn next_h2_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(u8, u8, Vec<u8>)> {
+    let mut chunk = [0u8; 4096];
+    loop {
+        if buf.len() >= 9 {
+            let len = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
+            if buf.len() >= 9 + len {
+                let frame: Vec<u8> = buf.drain(..9 + len).collect();
+                return Some((frame[3], frame[4], frame[9..].to_vec()));
+            }
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_stops_answering_pings_is_disconnected() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.h2_keep_alive_interval_ms = 100;
+    cfg.timeouts.h2_keep_alive_timeout_ms = 100;
+    // Longer than the test waits: only the PINGs can close the connection in time.
+    cfg.timeouts.keep_alive_ms = 10 * WAIT.as_millis() as u64;
+    cfg.timeouts.header_read_ms = 10 * WAIT.as_millis() as u64;
+    let proxy = Proxy::start(cfg).await.unwrap();
+
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&h2_frame(SETTINGS, 0, &[])).await.unwrap();
+    // A client that answers keeps its connection: two PINGs answered in turn.
+    let mut buf = Vec::new();
+    let mut answered = 0;
+    while answered < 2 {
+        let (kind, flags, payload) = tokio::time::timeout(WAIT, next_h2_frame(&mut s, &mut buf))
+            .await
+            .expect("no PING came")
+            .expect("closed while the client answered");
+        match (kind, flags & ACK) {
+            (SETTINGS, 0) => s.write_all(&h2_frame(SETTINGS, ACK, &[])).await.unwrap(),
+            (PING, 0) => {
+                s.write_all(&h2_frame(PING, ACK, &payload)).await.unwrap();
+                answered += 1;
+            }
+            _ => {}
+        }
+    }
+    // Silent from now on: the next PING goes unanswered and the router hangs up.
+    let silent = tokio::time::Instant::now();
+    let mut pings = 0;
+    while let Some((kind, flags, _)) = tokio::time::timeout(WAIT, next_h2_frame(&mut s, &mut buf))
+        .await
+        .expect("the router never closed the silent connection")
+    {
+        if (kind, flags & ACK) == (PING, 0) {
+            pings += 1;
+        }
+    }
+    assert_eq!(
+        pings, 1,
+        "one PING, unanswered, and the connection is closed"
+    );
+    // The next PING is due an interval after the last answer, and closes the connection a
+    // timeout after it is sent.
+    assert!(
+        silent.elapsed() >= std::time::Duration::from_millis(200),
+        "{:?}",
+        silent.elapsed()
+    );
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"kinference_client_timeouts_total{port="data",kind="h2_keep_alive"}"#
+        ),
+        1.0,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
