@@ -15,7 +15,7 @@
 //!      decide::route: one index read lock (longest_prefix) + load atomics per worker
 //!      policy lock: select + apply (speculative entries) ── Decision.ranked
 //!      forward the original bytes to ranked[0] (+ X-data-parallel-rank when D > 1);
-//!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503)
+//!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503 + Retry-After)
 //!      stream the response back frame by frame: first byte releases predicted prefill
 //!        tokens, cached_tokens is read from usage as it passes, the body owns the in-flight
 //!        guard and the gate's place

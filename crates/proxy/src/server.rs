@@ -81,6 +81,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
+        pool: pool.name.clone(),
         accounting: Accounting::Routed {
             pool: pool.name.clone(),
             prompt_tokens,
@@ -165,6 +166,7 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
     let targets = decide::by_load(&pool, None);
     let fwd = Forward {
         route,
+        pool: pool.name.clone(),
         accounting: Accounting::Passthrough,
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),

@@ -560,6 +560,42 @@ async fn http2_clients_are_served_through_the_same_accept_loop() {
     proxy.shutdown().await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_replicas_all_refuse_answers_503_with_retry_after() {
+    // A port that was free a moment ago: nothing listens there now.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let mut cfg = config(&[closed], "least-load");
+    cfg.limits.retry_after_s = 7;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let addr = proxy.data_addr();
+    // Routed, passed through, and again once the replica is known to be down.
+    for (path, body) in [
+        ("/v1/completions", completion(1)),
+        (
+            "/tokenize",
+            json!({"model": MODEL, "prompt": "x"}).to_string(),
+        ),
+        ("/v1/completions", completion(2)),
+    ] {
+        let (status, head, body) = request(addr, "POST", path, &body).await;
+        assert_eq!(status, 503, "{path}: {head}{body}");
+        assert!(head.contains("retry-after: 7"), "{path}: {head}");
+        let err: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(err["error"]["type"], "ServiceUnavailableError", "{body}");
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("no usable replica for pool `tiny`"),
+            "{body}"
+        );
+    }
+    proxy.shutdown().await;
+}
+
 /// HTTP/2 frame types read or written by hand.
 const SETTINGS: u8 = 0x4;
 const PING: u8 = 0x6;
@@ -647,14 +683,16 @@ async fn an_http2_client_that_stops_answering_pings_is_disconnected() {
         "{:?}",
         silent.elapsed()
     );
+    // The router may close the socket just before its connection task counts the timeout.
+    let series = r#"kinference_client_timeouts_total{port="data",kind="h2_keep_alive"}"#;
+    tokio::time::timeout(WAIT, async {
+        while !metrics_page(&proxy).await.contains(series) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the PING timeout was never counted");
     let page = metrics_page(&proxy).await;
-    assert_eq!(
-        metric(
-            &page,
-            r#"kinference_client_timeouts_total{port="data",kind="h2_keep_alive"}"#
-        ),
-        1.0,
-        "{page}"
-    );
+    assert_eq!(metric(&page, series), 1.0, "{page}");
     proxy.shutdown().await;
 }
