@@ -72,7 +72,7 @@ impl Picker {
     ) -> Result<Pick, RequestError> {
         let fleet = &self.fleet;
         let looked = decide::lookup(fleet, req.body)?;
-        let admitted = decide::admit(fleet, looked.pool).await?;
+        let admitted = decide::admit(fleet, looked.pool, req.subset.as_deref()).await?;
         let mut prepared =
             decide::prepare_looked(fleet, api, looked, req.body, req.headers, false)?;
         prepared.subset.clone_from(&req.subset);
@@ -108,7 +108,7 @@ impl Picker {
             .flatten()
             .and_then(|m| m.model);
         let (pool, _) = fleet.lookup(model.as_deref())?;
-        let admitted = decide::admit(fleet, pool).await?;
+        let admitted = decide::admit(fleet, pool, req.subset.as_deref()).await?;
         let targets = decide::by_load(pool, req.subset.as_deref());
         if targets.is_empty() {
             return Err(no_endpoint(fleet, &pool.name, req.subset.as_deref()));

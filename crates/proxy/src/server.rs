@@ -68,7 +68,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(l) => l,
         Err(e) => return reject(&fleet, label, e),
     };
-    let admitted = match decide::admit(&fleet, looked.pool).await {
+    let admitted = match decide::admit(&fleet, looked.pool, None).await {
         Ok(a) => a,
         Err(e) => return reject(&fleet, label, e),
     };
@@ -159,7 +159,7 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
         Ok((p, _)) => p.clone(),
         Err(e) => return reject(&fleet, route, e),
     };
-    let admitted = match decide::admit(&fleet, &pool).await {
+    let admitted = match decide::admit(&fleet, &pool, None).await {
         Ok(a) => a,
         Err(e) => return reject(&fleet, route, e),
     };
