@@ -143,9 +143,14 @@ impl Admin {
             anyhow::Ok((status, bytes))
         })?;
         if !ok.contains(&status) {
+            let hint = match (status, &self.token) {
+                (401, None) => " (give kinfctl the token: --admin-token-file FILE or KINFERENCE_ADMIN_TOKEN)",
+                (401, Some(_)) => " (the token given, from --admin-token-file or KINFERENCE_ADMIN_TOKEN, is not the router's)",
+                _ => "",
+            };
             if let Ok(e) = serde_json::from_slice::<ErrorBody>(&bytes) {
                 bail!(
-                    "{base}{what} answered {status} {}: {}",
+                    "{base}{what} answered {status} {}: {}{hint}",
                     e.error.kind,
                     e.error.message
                 );

@@ -1,6 +1,7 @@
 //! Runs `kinfctl status` and `kinfctl explain` against a router started in process on port 0
 //! in front of two simulated replicas with KV events: the fleet must show up as the router
-//! sees it, the decision must rank the replica holding a prefix first, and an admin port that
+//! sees it, the decision must rank the replica holding a prefix first, a router with an admin
+//! token must be read with the token and refuse clearly without it, and an admin port that
 //! does not answer, a router that is not ready, and an unknown model must be clear failures.
 //! Nothing sleeps to wait: the router's state and event streams are awaited.
 
@@ -11,7 +12,7 @@ use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 
 use kinference_proxy::api::{ExplainResponse, Health, ReplicasResponse};
-use kinference_proxy::{Config, PoolConfig, Proxy, ReplicaSpec};
+use kinference_proxy::{AdminToken, Config, PoolConfig, Proxy, ReplicaSpec};
 use kinference_sim_server::Server;
 use kinference_testkit::sim::{self, replica_with_events};
 use kinference_testkit::{tokenizer_dir, WAIT};
@@ -45,12 +46,18 @@ fn url(addr: SocketAddr) -> String {
 /// A router on port 0 (data and admin) with one pool of `replicas`. Speculation is off, so a
 /// cached prefix can only be known from the replicas' KV events.
 async fn router(replicas: Vec<ReplicaSpec>) -> Proxy {
+    router_with_token(replicas, None).await
+}
+
+/// [`router`], with `token` guarding its admin port.
+async fn router_with_token(replicas: Vec<ReplicaSpec>, token: Option<&str>) -> Proxy {
     let mut pool = PoolConfig::new(MODEL, tokenizer_dir(), BLOCK as u32);
     pool.policy = kinference_proxy::parse_policy("{kind: precise, speculative_ttl_ms: 0}").unwrap();
     pool.replicas = replicas;
     let mut cfg = Config::new(vec![pool]);
     cfg.expose_endpoint_header = true;
     cfg.scrape.interval_ms = 50;
+    cfg.admin_auth.token = token.and_then(AdminToken::new);
     let data = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let admin = TcpListener::bind("127.0.0.1:0").await.unwrap();
     Proxy::start_with(cfg, data, admin).await.unwrap()
@@ -81,11 +88,24 @@ struct Run {
     stderr: String,
 }
 
-/// Runs the binary off the runtime's threads (the router and replicas keep serving).
+/// Runs the binary off the runtime's threads (the router and replicas keep serving), without
+/// an admin token from the environment.
 async fn kinfctl(args: Vec<String>, stdin: Option<Vec<u8>>) -> Run {
+    kinfctl_env(args, stdin, &[]).await
+}
+
+/// [`kinfctl`] with `env` set.
+async fn kinfctl_env(args: Vec<String>, stdin: Option<Vec<u8>>, env: &[(&str, &str)]) -> Run {
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
     let out = tokio::task::spawn_blocking(move || {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kinfctl"))
             .args(&args)
+            .env_remove("KINFERENCE_ADMIN_TOKEN")
+            .env_remove("KINFERENCE_ADMIN_TOKEN_FILE")
+            .envs(env)
             .stdin(if stdin.is_some() {
                 Stdio::piped()
             } else {
@@ -399,4 +419,79 @@ async fn a_router_without_a_live_replica_is_reported_not_ready() {
         "the scrape error is shown:\n{text}"
     );
     proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_explain_read_a_token_guarded_router_with_the_token_only() {
+    const TOKEN: &str = "kinfctl-test-token";
+    let sims = vec![sim().await];
+    let proxy =
+        router_with_token(sims.iter().map(replica_with_events).collect(), Some(TOKEN)).await;
+    proxy
+        .wait_until(WAIT, |s| s.pools[0].replicas[0].health == Health::Up)
+        .await
+        .unwrap_or_else(|s| panic!("the replica never came up: {s:#?}"));
+    let admin = url(proxy.admin_addr());
+    let body = || Some(br#"{"model": "tiny", "prompt": "Which token?"}"#.to_vec());
+    let status = || args(&["status", "--admin", &admin]);
+    let explain = || args(&["explain", "--admin", &admin, "--json"]);
+
+    // Without a token: refused, saying how to give one.
+    for (cmd, stdin) in [(status(), None), (explain(), body())] {
+        let run = kinfctl(cmd, stdin).await;
+        assert_eq!(run.code, Some(1), "{}", run.stdout);
+        assert!(run.stdout.is_empty(), "{}", run.stdout);
+        assert!(
+            run.stderr.contains("answered 401 AuthenticationError")
+                && run
+                    .stderr
+                    .contains("--admin-token-file FILE or KINFERENCE_ADMIN_TOKEN"),
+            "{}",
+            run.stderr
+        );
+    }
+    // A wrong token: refused as wrong.
+    let wrong = [("KINFERENCE_ADMIN_TOKEN", "not-the-token")];
+    let run = kinfctl_env(status(), None, &wrong).await;
+    assert_eq!(run.code, Some(1), "{}", run.stdout);
+    assert!(
+        run.stderr.contains("the bearer token is wrong")
+            && run.stderr.contains("is not the router's"),
+        "{}",
+        run.stderr
+    );
+
+    // The token from the environment.
+    let env = [("KINFERENCE_ADMIN_TOKEN", TOKEN)];
+    let run = kinfctl_env(status(), None, &env).await;
+    assert_eq!(run.code, Some(0), "{}{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout
+            .starts_with(&format!("router {admin}: ready (1 of 1 replicas up")),
+        "{}",
+        run.stdout
+    );
+    let run = kinfctl_env(explain(), body(), &env).await;
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let e: ExplainResponse = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(e.pool, MODEL, "{e:#?}");
+
+    // The token from a file (whitespace around it ignored), by flag and by environment.
+    let file = std::env::temp_dir().join(format!("kinfctl-token-{}", std::process::id()));
+    std::fs::write(&file, format!("  {TOKEN}\n")).unwrap();
+    let path = file.to_str().unwrap();
+    let mut by_flag = status();
+    by_flag.extend(args(&["--admin-token-file", path]));
+    let run = kinfctl(by_flag, None).await;
+    assert_eq!(run.code, Some(0), "{}{}", run.stdout, run.stderr);
+    let run = kinfctl_env(explain(), body(), &[("KINFERENCE_ADMIN_TOKEN_FILE", path)]).await;
+    std::fs::remove_file(&file).unwrap();
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let e: ExplainResponse = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(e.candidates.len(), 1, "{e:#?}");
+
+    proxy.shutdown().await;
+    for s in sims {
+        s.shutdown();
+    }
 }

@@ -170,8 +170,13 @@ pub struct Limits {
     pub max_connections: usize,
     /// Requests of one pool forwarded at once (routed and passed through); 0: no limit.
     pub max_in_flight: usize,
-    /// Requests of one pool waiting for one of its `max_in_flight` places; when full, 429.
+    /// Requests of one pool waiting for one of its `max_in_flight` places, or for room on a
+    /// replica (`max_in_flight_per_replica`); when full, 429.
     pub max_queue: usize,
+    /// Requests this router has in flight on one replica engine (each DP rank of a replica)
+    /// at most; a full one is not chosen while another has room, and when every replica the
+    /// request may go to is full it waits in the pool's queue. 0: no limit.
+    pub max_in_flight_per_replica: u32,
     /// Slowest request body accepted, bytes per second on average after
     /// `timeouts.body_read_ms`; 0: the body must arrive within `body_read_ms`.
     pub min_body_rate_bytes_per_s: u64,
@@ -189,6 +194,7 @@ impl Default for Limits {
             max_connections: 10_000,
             max_in_flight: 4_096,
             max_queue: 4_096,
+            max_in_flight_per_replica: 0,
             min_body_rate_bytes_per_s: 1_024,
             h2_max_concurrent_streams: 256,
             retry_after_s: 1,
@@ -1361,7 +1367,8 @@ pools:
         let text = format!(
             r#"
 timeouts: {{header_read_ms: 5000, keep_alive_ms: 30000, queue_ms: 100}}
-limits: {{max_connections: 100, max_in_flight: 8, max_queue: 0, min_body_rate_bytes_per_s: 0}}
+limits: {{max_connections: 100, max_in_flight: 8, max_queue: 0, min_body_rate_bytes_per_s: 0,
+         max_in_flight_per_replica: 256}}
 admin_auth: {{token_file: {token}, open_metrics: true}}
 pools:
   - models: [a]
@@ -1374,6 +1381,12 @@ pools:
         );
         let cfg = Config::parse(&text).unwrap();
         assert_eq!(cfg.limits.max_in_flight, 8);
+        assert_eq!(cfg.limits.max_in_flight_per_replica, 256);
+        assert_eq!(
+            Limits::default().max_in_flight_per_replica,
+            0,
+            "off by default"
+        );
         assert_eq!(cfg.timeouts.header_read(), Duration::from_secs(5));
         let resolved = cfg.resolve().unwrap();
         assert_eq!(resolved.admin_token, AdminToken::new("s3cret"));

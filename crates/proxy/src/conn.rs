@@ -156,6 +156,24 @@ pub(crate) async fn serve(
     tracker.wait().await;
 }
 
+/// Whether a connection ended because its HTTP/2 client left a PING unanswered past
+/// `h2_keep_alive_timeout_ms`. hyper's error for it is a private type that
+/// `hyper::Error::is_timeout` does not recognize, so it is known by its message (the h2 PING
+/// test fails if that changes).
+fn is_h2_ping_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_timeout)
+            || c.to_string() == "keep-alive timed out"
+        {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// Errors of one connection that was being accepted; the next accept is unaffected.
 fn is_connection_error(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
@@ -231,10 +249,7 @@ impl Connection {
             }
         };
         if let Err(e) = result {
-            let timed_out = e
-                .downcast_ref::<hyper::Error>()
-                .is_some_and(hyper::Error::is_timeout);
-            if timed_out {
+            if is_h2_ping_timeout(&*e) {
                 self.metrics.timeout(self.port, "h2_keep_alive");
             }
             tracing::debug!(port = self.port, error = %e, "client connection ended with an error");

@@ -10,7 +10,11 @@
 //! A prompt the router cannot tokenize (multimodal parts, a template it cannot render) is still
 //! forwarded, routed by load only; only a body that is not a request is refused. A replica
 //! known to be down is never a target, unless every replica of the pool is: then all are, so a
-//! stale health mark costs a retry rather than an instant 503 ([`usable`]).
+//! stale health mark costs a retry rather than an instant 503 ([`usable`]). Likewise a worker
+//! with `max_in_flight_per_replica` requests in flight is never a candidate while another one
+//! has room; [`admit`] makes a request wait for room before it is routed, so all being full at
+//! routing time is only a race between requests, and then all stay candidates. With no limit
+//! configured none of this costs more than a comparison.
 
 use std::sync::Arc;
 
@@ -24,7 +28,7 @@ use serde::Deserialize;
 use crate::api::{CandidateScore, ExplainResponse, Health};
 use crate::error::RequestError;
 use crate::fleet::{Fleet, Pool, Replica};
-use crate::limits::{Admitted, ShedLabels};
+use crate::limits::{Admitted, Shed, ShedLabels};
 use crate::metrics::{DecisionLabels, KindLabel, PoolKind, PoolLabel, RequestLabels};
 
 /// Which OpenAI API a routed request uses.
@@ -272,21 +276,42 @@ pub(crate) fn landed(fleet: &Fleet, routed: &mut Routed, used: Option<usize>) {
 
 /// Replicas of `pool` for a request the policy does not rank: the least loaded first (by
 /// in-flight requests), ties rotated so that they spread; only those in `subset` if given.
+/// Replicas without room (`worker_cap`) are left out while another has some.
 pub(crate) fn by_load(pool: &Pool, subset: Option<&[String]>) -> Vec<Target> {
     let ticket = pool.ticket() as usize;
+    let cap = pool.worker_cap;
     let all = pool.replicas();
     let mut rs: Vec<_> = usable(&all, subset).collect();
+    if cap > 0 {
+        // One look at each replica, so that a room taken meanwhile cannot empty the list.
+        let roomy: Vec<bool> = rs
+            .iter()
+            .map(|r| r.workers.iter().any(|w| w.has_room(cap)))
+            .collect();
+        if roomy.contains(&true) {
+            let mut keep = roomy.into_iter();
+            rs.retain(|_| keep.next().unwrap_or(true));
+        }
+    }
     if !rs.is_empty() {
         let n = rs.len();
         rs.rotate_left(ticket % n);
     }
     rs.sort_by_key(|r| r.workers.iter().map(|w| w.load().in_flight).sum::<u32>());
     rs.into_iter()
-        .map(|r| Target {
-            replica: r.clone(),
-            rank: ticket % r.dp_size().max(1),
-            pin_rank: false,
-            predicted_cached: 0,
+        .map(|r| {
+            let dp = r.dp_size().max(1);
+            let first = ticket % dp;
+            let rank = (0..dp)
+                .map(|i| (first + i) % dp)
+                .find(|&k| r.workers.get(k).is_some_and(|w| w.has_room(cap)))
+                .unwrap_or(first);
+            Target {
+                replica: r.clone(),
+                rank,
+                pin_rank: false,
+                predicted_cached: 0,
+            }
         })
         .collect()
 }
@@ -332,7 +357,47 @@ fn candidates(pool: &Pool, hashes: &[BlockHash], subset: Option<&[String]>) -> V
             });
         }
     }
+    let cap = pool.worker_cap;
+    // Judged on the loads just read: when none has room (requests admitted at the same
+    // moment took the last of it), every worker stays a candidate rather than none.
+    if cap > 0 && out.iter().any(|c| c.load.in_flight < cap) {
+        out.retain(|c| c.load.in_flight < cap);
+    }
     out
+}
+
+/// Whether a replica the request may go to has room under `worker_cap`; true when the
+/// request may go nowhere (the caller answers that, not the wait).
+fn has_room(pool: &Pool, subset: Option<&[String]>) -> bool {
+    let all = pool.replicas();
+    let mut rs = usable(&all, subset).peekable();
+    rs.peek().is_none() || rs.any(|r| r.workers.iter().any(|w| w.has_room(pool.worker_cap)))
+}
+
+/// Returns once a replica the request may go to has room (`max_in_flight_per_replica`),
+/// after a wait in the pool's queue when none has.
+async fn room(pool: &Pool, subset: Option<&[String]>) -> Result<(), Shed> {
+    let Some(signal) = &pool.room else {
+        return Ok(());
+    };
+    if has_room(pool, subset) {
+        return Ok(());
+    }
+    pool.gate
+        .wait_for_room(async {
+            loop {
+                // Registered before looking, so that a request ending in between still wakes
+                // this one.
+                let ended = signal.notified();
+                tokio::pin!(ended);
+                ended.as_mut().enable();
+                if has_room(pool, subset) {
+                    return;
+                }
+                ended.await;
+            }
+        })
+        .await
 }
 
 /// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
@@ -396,11 +461,18 @@ pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared) -> ExplainResponse 
     }
 }
 
-/// A place at `pool`'s gate, or the 429 (503 when the pool has no usable replica) to answer,
-/// counted.
-pub(crate) async fn admit(fleet: &Fleet, pool: &Pool) -> Result<Admitted, RequestError> {
+/// A place at `pool`'s gate and room on a replica of `subset` (all when `None`), or the 429
+/// (503 when the pool has no usable replica) to answer, counted.
+pub(crate) async fn admit(
+    fleet: &Fleet,
+    pool: &Pool,
+    subset: Option<&[String]>,
+) -> Result<Admitted, RequestError> {
     let shed = match pool.gate.admit().await {
-        Ok(a) => return Ok(a),
+        Ok(a) => match room(pool, subset).await {
+            Ok(()) => return Ok(a),
+            Err(shed) => shed,
+        },
         Err(shed) => shed,
     };
     let no_replica = pool.replicas().iter().all(|r| r.health() == Health::Down);

@@ -22,9 +22,14 @@ pub enum RequestError {
     /// No pool serves the requested model.
     #[error("The model `{0}` does not exist.")]
     UnknownModel(String),
-    /// Every replica the request could go to refused it before anything was sent.
+    /// Every replica the request could go to refused it before anything was sent (503, with
+    /// `Retry-After: retry_after_s`: a replica may be back soon).
     #[error("no usable replica for pool `{pool}`: {detail}")]
-    NoReplica { pool: String, detail: String },
+    NoReplica {
+        pool: String,
+        detail: String,
+        retry_after_s: u32,
+    },
     /// A replica failed after the request was sent to it (not retried: it may have run).
     #[error("replica {replica} failed: {detail}")]
     Upstream { replica: String, detail: String },
@@ -101,7 +106,8 @@ impl RequestError {
     /// Seconds the client should wait before retrying (`Retry-After`), when the router says.
     pub fn retry_after_s(&self) -> Option<u32> {
         match self {
-            RequestError::Overloaded { retry_after_s, .. } => Some(*retry_after_s),
+            RequestError::Overloaded { retry_after_s, .. }
+            | RequestError::NoReplica { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         }
     }

@@ -32,7 +32,7 @@ use kinference_policy::{Load, Policy};
 use kinference_tokenize::{Tokenizer, TokenizerOptions};
 use kinference_vllm::{BlockHasher, DpRank, Lora};
 use parking_lot::{Mutex, RwLock};
-use tokio::sync::watch;
+use tokio::sync::{watch, Notify};
 
 use crate::api::{CacheConfigStatus, Health, LoadStatus, ScrapeCounts};
 use crate::config::{
@@ -172,6 +172,12 @@ pub(crate) struct Pool {
     pub index: Arc<RwLock<Index>>,
     /// At most `limits.max_in_flight` of the pool's requests are forwarded at once.
     pub gate: Gate,
+    /// `limits.max_in_flight_per_replica`: requests in flight per worker (DP rank) before it
+    /// is passed over; 0: no limit.
+    pub worker_cap: u32,
+    /// With a `worker_cap`: signalled once per in-flight request that ends on one of the
+    /// pool's replicas (and when replicas join), waking the first request waiting for room.
+    pub room: Option<Arc<Notify>>,
     /// Taken out at shutdown.
     plane: Mutex<Option<Arc<EventPlane>>>,
     /// The replicas requests may go to. Replaced as a whole when the fleet changes, so the
@@ -259,6 +265,11 @@ impl Pool {
         let mut next: Vec<Arc<Replica>> = guard.as_ref().clone();
         next.extend(added.iter().cloned());
         *guard = Arc::new(next);
+        drop(guard);
+        if let Some(room) = &self.room {
+            // New replicas are new room: every waiter looks again.
+            room.notify_waiters();
+        }
     }
 
     /// Takes replicas out of the set requests may go to; requests already routed to them
@@ -310,13 +321,20 @@ pub(crate) struct Replica {
     pub events_mode: &'static str,
     /// The event spec's topic, for discovery.
     pub topic: String,
+    /// The pool's [`Pool::room`].
+    room: Option<Arc<Notify>>,
     health: AtomicU8,
     scorable: AtomicBool,
     pub info: Mutex<ReplicaInfo>,
 }
 
 impl Replica {
-    pub fn new(id: ReplicaId, spec: &ReplicaSpec, resolved: &ResolvedReplica) -> Self {
+    pub fn new(
+        id: ReplicaId,
+        spec: &ReplicaSpec,
+        resolved: &ResolvedReplica,
+        room: Option<Arc<Notify>>,
+    ) -> Self {
         let events_mode = match &resolved.events {
             None => "none",
             Some(EventSource::Connect(_)) => "connect",
@@ -333,6 +351,7 @@ impl Replica {
                 .as_ref()
                 .map(|e| e.topic.clone())
                 .unwrap_or_default(),
+            room,
             health: AtomicU8::new(UNKNOWN),
             scorable: AtomicBool::new(true),
             info: Mutex::new(ReplicaInfo::default()),
@@ -419,6 +438,11 @@ impl WorkerLoad {
         }
     }
 
+    /// Whether the router has fewer than `cap` requests in flight here (`cap` 0: no limit).
+    pub fn has_room(&self, cap: u32) -> bool {
+        cap == 0 || self.in_flight.load(Ordering::Relaxed) < cap
+    }
+
     pub fn set_scraped(&self, running: u32, waiting: u32, kv_usage: f64) {
         self.running.store(running, Ordering::Relaxed);
         self.waiting.store(waiting, Ordering::Relaxed);
@@ -476,6 +500,10 @@ impl Drop for InFlight {
             }
             w.in_flight.fetch_sub(1, Ordering::Relaxed);
         }
+        if let Some(room) = &self.replica.room {
+            // One request ended, one place freed: one waiter (the first) looks again.
+            room.notify_one();
+        }
         bump(&self.changed);
     }
 }
@@ -519,7 +547,8 @@ pub(crate) async fn build(
             cfg.timeouts.queue(),
             queued.clone(),
         );
-        let pool = build_pool(pc, rp, gate, &mut next_id).await?;
+        let cap = cfg.limits.max_in_flight_per_replica;
+        let pool = build_pool(pc, rp, gate, cap, &mut next_id).await?;
         discoveries.extend(
             pool.discover
                 .into_iter()
@@ -564,6 +593,7 @@ async fn build_pool(
     pc: &PoolConfig,
     rp: ResolvedPool,
     gate: Gate,
+    worker_cap: u32,
     next_id: &mut u32,
 ) -> Result<Built, StartError> {
     let name = pc.display_name();
@@ -583,12 +613,13 @@ async fn build_pool(
         source,
     };
     let plane = EventPlane::start(EventPlaneConfig::default()).map_err(events_error)?;
+    let room = (worker_cap > 0).then(|| Arc::new(Notify::new()));
     let mut replicas = Vec::with_capacity(rp.replicas.len());
     let mut discover = Vec::new();
     for (spec, rr) in pc.replicas.iter().zip(rp.replicas) {
         let id = ReplicaId(*next_id);
         *next_id += 1;
-        let replica = Arc::new(Replica::new(id, spec, &rr));
+        let replica = Arc::new(Replica::new(id, spec, &rr, room.clone()));
         if subscribe(&plane, &replica, spec, rr.events.as_ref())
             .await
             .map_err(events_error)?
@@ -615,6 +646,8 @@ async fn build_pool(
         session_header: rp.session_header,
         index: plane.index(),
         gate,
+        worker_cap,
+        room,
         plane: Mutex::new(Some(Arc::new(plane))),
         replicas: RwLock::new(Arc::new(replicas)),
         source: pc.inference_pool.clone(),

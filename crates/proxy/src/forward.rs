@@ -48,6 +48,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub(crate) struct Forward {
     /// The `route` metric label.
     pub route: &'static str,
+    /// The request's pool (named in the error when no replica takes it).
+    pub pool: String,
     pub accounting: Accounting,
     pub method: Method,
     pub path_and_query: String,
@@ -106,13 +108,17 @@ pub(crate) async fn forward(
             return Ok((respond(fleet, req, t, guard, resp), i));
         }
     }
-    let pool = req.accounting.pool().unwrap_or_default().to_owned();
+    let pool = req.pool;
     let detail = if failures.is_empty() {
         "no replica is configured".to_owned()
     } else {
         failures.join("; ")
     };
-    Err(RequestError::NoReplica { pool, detail })
+    Err(RequestError::NoReplica {
+        pool,
+        detail,
+        retry_after_s: fleet.settings.limits.retry_after_s,
+    })
 }
 
 /// One attempt at target `t`: its response head with the in-flight guard, `None` when the

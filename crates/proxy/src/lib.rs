@@ -9,13 +9,15 @@
 //!    POST /v1/completions | /v1/chat/completions
 //!      read body (≤ max_body_bytes, else 413; slower than body_read_ms + min rate: 408)
 //!      parse `model` (400) ── pool lookup (404) ── the pool's gate: a place among
-//!        max_in_flight, or a wait in its queue (full or timed out: 429, 503 if no replica up)
+//!        max_in_flight, or a wait in its queue (full or timed out: 429, 503 if no replica up);
+//!        then room on a replica (max_in_flight_per_replica), or a wait in the same queue
 //!      tokenize once, as vLLM does ── block hashes (pool's block size, algorithm, seed,
 //!                                     LoRA, cache_salt)
 //!      decide::route: one index read lock (longest_prefix) + load atomics per worker
+//!        (workers at max_in_flight_per_replica left out while another has room)
 //!      policy lock: select + apply (speculative entries) ── Decision.ranked
 //!      forward the original bytes to ranked[0] (+ X-data-parallel-rank when D > 1);
-//!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503)
+//!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503 + Retry-After)
 //!      stream the response back frame by frame: first byte releases predicted prefill
 //!        tokens, cached_tokens is read from usage as it passes, the body owns the in-flight
 //!        guard and the gate's place

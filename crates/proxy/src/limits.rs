@@ -1,13 +1,16 @@
-//! Overload protection that is not about one replica: each pool's admission gate (at most
-//! `max_in_flight` requests forwarded, a bounded queue with a timeout behind them) and the
-//! counters of everything the router sheds or times out on the client side.
+//! Overload protection: each pool's admission gate (at most `max_in_flight` requests
+//! forwarded, a bounded queue with a timeout behind them; the same queue holds requests
+//! waiting for room on a replica, `max_in_flight_per_replica`) and the counters of everything
+//! the router sheds or times out on the client side.
 //!
 //! Invariants: an admitted request holds its place ([`Admitted`]) until its response ends,
 //! however it ends (the place lives in the response body, next to the in-flight guard); a
 //! request that finds the gate and its queue full is refused at once, without waiting, so
 //! shedding costs an admitted request nothing but one atomic operation on the fast path. A
-//! queued request that goes away (client disconnect) leaves the queue.
+//! queued request that goes away (client disconnect) leaves the queue. Both kinds of waiter
+//! share one queue: `max_queue` bounds all of a pool's waiting requests, `queue_ms` each wait.
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,6 +29,11 @@ pub(crate) enum Shed {
     QueueFull,
     /// It waited `timeouts.queue_ms` in the queue without a place coming free.
     QueueTimeout,
+    /// Every replica it could go to had `max_in_flight_per_replica` requests, and the queue
+    /// was full.
+    ReplicasFull,
+    /// It waited `timeouts.queue_ms` in the queue without room coming free on a replica.
+    ReplicasFullTimeout,
 }
 
 impl Shed {
@@ -33,6 +41,8 @@ impl Shed {
         match self {
             Shed::QueueFull => "queue_full",
             Shed::QueueTimeout => "queue_timeout",
+            Shed::ReplicasFull => "replicas_full",
+            Shed::ReplicasFullTimeout => "replicas_full_timeout",
         }
     }
 }
@@ -82,17 +92,31 @@ impl Gate {
         if let Ok(p) = places.clone().try_acquire_owned() {
             return Ok(Admitted { _place: Some(p) });
         }
-        if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
-            self.waiting.fetch_sub(1, Ordering::AcqRel);
-            return Err(Shed::QueueFull);
-        }
-        let _queued = Queued(self);
-        self.queued.inc();
+        let _queued = self.enqueue().ok_or(Shed::QueueFull)?;
         match tokio::time::timeout(self.queue_timeout, places.clone().acquire_owned()).await {
             Ok(Ok(p)) => Ok(Admitted { _place: Some(p) }),
             // The semaphore is never closed; a closed one could only mean shutting down.
             Ok(Err(_)) | Err(_) => Err(Shed::QueueTimeout),
         }
+    }
+
+    /// Waits in the queue until `room` resolves: for an admitted request whose replicas are
+    /// all full. Shed at once when the queue is full, or after `queue_timeout`.
+    pub async fn wait_for_room(&self, room: impl Future<Output = ()>) -> Result<(), Shed> {
+        let _queued = self.enqueue().ok_or(Shed::ReplicasFull)?;
+        tokio::time::timeout(self.queue_timeout, room)
+            .await
+            .map_err(|_| Shed::ReplicasFullTimeout)
+    }
+
+    /// A queue slot, or `None` when `max_queue` requests wait already.
+    fn enqueue(&self) -> Option<Queued<'_>> {
+        if self.waiting.fetch_add(1, Ordering::AcqRel) >= self.max_queue {
+            self.waiting.fetch_sub(1, Ordering::AcqRel);
+            return None;
+        }
+        self.queued.inc();
+        Some(Queued(self))
     }
 
     /// Requests waiting in the queue now.
@@ -166,14 +190,15 @@ impl LimitMetrics {
     pub fn register(&self, r: &mut Registry) {
         r.register(
             "kinference_shed_requests",
-            "Requests refused by a pool's admission gate (max_in_flight and its queue), by \
-             reason (queue_full, queue_timeout) and status (429; 503 when the pool had no usable \
-             replica)",
+            "Requests refused by a pool's admission gate (max_in_flight, \
+             max_in_flight_per_replica and their queue), by reason (queue_full, queue_timeout, \
+             replicas_full, replicas_full_timeout) and status (429; 503 when the pool had no \
+             usable replica)",
             self.shed.clone(),
         );
         r.register(
             "kinference_queued_requests",
-            "Requests waiting at a pool's admission gate for a place",
+            "Requests waiting at a pool's admission gate for a place, or for room on a replica",
             self.queued.clone(),
         );
         r.register(
@@ -232,6 +257,38 @@ mod tests {
         assert_eq!(gate.waiting(), 0, "a timed-out waiter leaves the queue");
         drop(held);
         assert!(gate.admit().await.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn waiting_for_room_shares_the_queue_and_its_timeout() {
+        let gate = Arc::new(Gate::new(0, 1, Duration::from_secs(5), Gauge::default()));
+        let (room, mut has_room) = tokio::sync::watch::channel(false);
+        let g = gate.clone();
+        let waiter = tokio::spawn(async move {
+            g.wait_for_room(async move {
+                let _ = has_room.wait_for(|r| *r).await;
+            })
+            .await
+        });
+        while gate.waiting() == 0 {
+            tokio::task::yield_now().await;
+        }
+        // The one queue slot is taken: a second waiter is refused at once.
+        assert_eq!(
+            gate.wait_for_room(std::future::pending()).await,
+            Err(Shed::ReplicasFull)
+        );
+        room.send(true).unwrap();
+        assert_eq!(waiter.await.unwrap(), Ok(()));
+        assert_eq!(gate.waiting(), 0);
+
+        let start = tokio::time::Instant::now();
+        assert_eq!(
+            gate.wait_for_room(std::future::pending()).await,
+            Err(Shed::ReplicasFullTimeout)
+        );
+        assert_eq!(start.elapsed(), Duration::from_secs(5));
+        assert_eq!(gate.waiting(), 0, "a timed-out waiter leaves the queue");
     }
 
     #[tokio::test]

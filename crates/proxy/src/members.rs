@@ -83,7 +83,12 @@ impl PoolMembers {
             .ok_or(JoinError::ShutDown)?;
         let mut member = Member::default();
         for (spec, rr) in specs.iter().zip(&resolved) {
-            let replica = Arc::new(Replica::new(self.fleet.new_replica_id(), spec, rr));
+            let replica = Arc::new(Replica::new(
+                self.fleet.new_replica_id(),
+                spec,
+                rr,
+                self.pool.room.clone(),
+            ));
             let discover = match subscribe(&plane, &replica, spec, rr.events.as_ref()).await {
                 Ok(d) => d,
                 Err(e) => {

@@ -72,7 +72,7 @@ impl Picker {
     ) -> Result<Pick, RequestError> {
         let fleet = &self.fleet;
         let looked = decide::lookup(fleet, req.body)?;
-        let admitted = decide::admit(fleet, looked.pool).await?;
+        let admitted = decide::admit(fleet, looked.pool, req.subset.as_deref()).await?;
         let mut prepared =
             decide::prepare_looked(fleet, api, looked, req.body, req.headers, false)?;
         prepared.subset.clone_from(&req.subset);
@@ -81,6 +81,7 @@ impl Picker {
             let mut routed = routed;
             decide::landed(fleet, &mut routed, None);
             return Err(no_endpoint(
+                fleet,
                 &routed.prepared.pool.name,
                 req.subset.as_deref(),
             ));
@@ -107,10 +108,10 @@ impl Picker {
             .flatten()
             .and_then(|m| m.model);
         let (pool, _) = fleet.lookup(model.as_deref())?;
-        let admitted = decide::admit(fleet, pool).await?;
+        let admitted = decide::admit(fleet, pool, req.subset.as_deref()).await?;
         let targets = decide::by_load(pool, req.subset.as_deref());
         if targets.is_empty() {
-            return Err(no_endpoint(&pool.name, req.subset.as_deref()));
+            return Err(no_endpoint(fleet, &pool.name, req.subset.as_deref()));
         }
         Ok(Pick::new(
             fleet.clone(),
@@ -151,7 +152,7 @@ struct ModelOnly {
     model: Option<String>,
 }
 
-fn no_endpoint(pool: &str, subset: Option<&[String]>) -> RequestError {
+fn no_endpoint(fleet: &Fleet, pool: &str, subset: Option<&[String]>) -> RequestError {
     let detail = match subset {
         Some(s) => format!(
             "no replica of the pool is in the gateway's subset [{}]",
@@ -162,6 +163,7 @@ fn no_endpoint(pool: &str, subset: Option<&[String]>) -> RequestError {
     RequestError::NoReplica {
         pool: pool.to_owned(),
         detail,
+        retry_after_s: fleet.settings.limits.retry_after_s,
     }
 }
 

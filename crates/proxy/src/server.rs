@@ -68,7 +68,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(l) => l,
         Err(e) => return reject(&fleet, label, e),
     };
-    let admitted = match decide::admit(&fleet, looked.pool).await {
+    let admitted = match decide::admit(&fleet, looked.pool, None).await {
         Ok(a) => a,
         Err(e) => return reject(&fleet, label, e),
     };
@@ -81,6 +81,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
+        pool: pool.name.clone(),
         accounting: Accounting::Routed {
             pool: pool.name.clone(),
             prompt_tokens,
@@ -158,13 +159,14 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
         Ok((p, _)) => p.clone(),
         Err(e) => return reject(&fleet, route, e),
     };
-    let admitted = match decide::admit(&fleet, &pool).await {
+    let admitted = match decide::admit(&fleet, &pool, None).await {
         Ok(a) => a,
         Err(e) => return reject(&fleet, route, e),
     };
     let targets = decide::by_load(&pool, None);
     let fwd = Forward {
         route,
+        pool: pool.name.clone(),
         accounting: Accounting::Passthrough,
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),

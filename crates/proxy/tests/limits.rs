@@ -1,8 +1,10 @@
 //! The router under hostile or excessive clients (issue 16): stalled request heads are closed
 //! while other clients are served, the connection cap pauses accepting and resumes, a burst
 //! beyond `max_in_flight` and its queue is shed with 429 + Retry-After while the admitted
-//! requests complete, the admin port's token is enforced, and speculative entries follow the
-//! outcome of the request they were guessed for. Nothing sleeps to wait: tests wait on sockets
+//! requests complete, a replica at `max_in_flight_per_replica` is passed over (and a fleet
+//! of full ones queues, then sheds), a pool with no replica answering gets 503 + Retry-After,
+//! an HTTP/2 client that stops answering PINGs is disconnected, the admin port's token is
+//! enforced, and speculative entries follow the outcome of the request they were guessed for. Nothing sleeps to wait: tests wait on sockets
 //! closing, responses arriving, or the router's state.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -113,9 +115,21 @@ async fn request_on(
     body: &str,
     close: bool,
 ) -> (u16, String, String) {
+    request_with(s, method, path, body, close, "").await
+}
+
+/// [`request_on`] with `extra` header lines (each ending in `\r\n`).
+async fn request_with(
+    s: &mut TcpStream,
+    method: &str,
+    path: &str,
+    body: &str,
+    close: bool,
+    extra: &str,
+) -> (u16, String, String) {
     let conn = if close { "close" } else { "keep-alive" };
     let req = format!(
-        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: {conn}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nhost: x\r\nconnection: {conn}\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
         body.len()
     );
     s.write_all(req.as_bytes()).await.unwrap();
@@ -557,5 +571,273 @@ async fn http2_clients_are_served_through_the_same_accept_loop() {
         1.0,
         "four requests as streams of one connection: {page}"
     );
+    proxy.shutdown().await;
+}
+
+/// Requests in flight per replica, as the router counts them.
+fn in_flight(s: &kinference_proxy::ReplicasResponse) -> Vec<u32> {
+    s.pools[0]
+        .replicas
+        .iter()
+        .map(|r| r.workers.iter().map(|w| w.load.in_flight).sum())
+        .collect()
+}
+
+/// A request of session `session` (the pool routes by session affinity), spawned.
+fn session_request(
+    addr: SocketAddr,
+    session: &'static str,
+    i: usize,
+) -> tokio::task::JoinHandle<(u16, String, String)> {
+    tokio::spawn(async move {
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        let extra = format!("x-session: {session}\r\n");
+        request_with(
+            &mut s,
+            "POST",
+            "/v1/completions",
+            &completion(i),
+            true,
+            &extra,
+        )
+        .await
+    })
+}
+
+/// Two held replicas behind a router whose pool routes by session affinity, with
+/// `max_in_flight_per_replica: cap` and a queue of one; the sender releases the replicas.
+async fn affinity_router(cap: u32) -> (Proxy, watch::Sender<bool>) {
+    let (release, hold) = watch::channel(true);
+    let a = replica(200, hold.clone()).await;
+    let b = replica(200, hold).await;
+    let mut cfg = config(&[a, b], "session-affinity");
+    cfg.pools[0].session_header = Some("x-session".into());
+    cfg.limits.max_in_flight_per_replica = cap;
+    cfg.limits.max_queue = 1;
+    cfg.limits.retry_after_s = 5;
+    cfg.timeouts.queue_ms = 10 * WAIT.as_millis() as u64;
+    (Proxy::start(cfg).await.unwrap(), release)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_at_its_in_flight_limit_is_passed_over_and_a_full_pool_queues_then_sheds() {
+    // Without the limit, one session's requests stack on its replica.
+    let (proxy, release) = affinity_router(0).await;
+    let addr = proxy.data_addr();
+    let first = session_request(addr, "s1", 1);
+    proxy
+        .wait_until(WAIT, |s| in_flight(s).iter().sum::<u32>() == 1)
+        .await
+        .unwrap();
+    let second = session_request(addr, "s1", 2);
+    let stacked = proxy
+        .wait_until(WAIT, |s| in_flight(s).iter().sum::<u32>() == 2)
+        .await
+        .unwrap();
+    let mut loads = in_flight(&stacked);
+    loads.sort_unstable();
+    assert_eq!(loads, [0, 2], "{stacked:#?}");
+    release.send(false).unwrap();
+    for r in [first, second] {
+        assert_eq!(r.await.unwrap().0, 200);
+    }
+    proxy.shutdown().await;
+
+    // With a limit of one, the second goes to the other replica.
+    let (proxy, release) = affinity_router(1).await;
+    let addr = proxy.data_addr();
+    let first = session_request(addr, "s1", 1);
+    proxy
+        .wait_until(WAIT, |s| in_flight(s).iter().sum::<u32>() == 1)
+        .await
+        .unwrap();
+    let second = session_request(addr, "s1", 2);
+    let spread = proxy
+        .wait_until(WAIT, |s| in_flight(s).iter().sum::<u32>() == 2)
+        .await
+        .unwrap();
+    assert_eq!(in_flight(&spread), [1, 1], "{spread:#?}");
+
+    // Both full: the next one waits in the queue, and the one after it is shed at once.
+    let third = session_request(addr, "s1", 3);
+    loop {
+        let page = metrics_page(&proxy).await;
+        if metric(&page, r#"kinference_queued_requests{pool="tiny"}"#) == 1.0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let (status, head, body) = session_request(addr, "s2", 4).await.unwrap();
+    assert_eq!(status, 429, "{head}{body}");
+    assert!(head.contains("retry-after: 5"), "{head}");
+    let err: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(err["error"]["type"], "RateLimitError", "{body}");
+    assert!(
+        err["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("replicas_full"),
+        "{body}"
+    );
+    assert!(!third.is_finished(), "the queued request was answered");
+
+    // Room comes free: the queued request is served.
+    release.send(false).unwrap();
+    for r in [first, second, third] {
+        let (status, head, body) = tokio::time::timeout(WAIT, r).await.unwrap().unwrap();
+        assert_eq!(status, 200, "{head}{body}");
+    }
+    let page = metrics_page(&proxy).await;
+    let shed = |reason: &str| {
+        metric(
+            &page,
+            &format!(
+                r#"kinference_shed_requests_total{{pool="tiny",reason="{reason}",status="429"}}"#
+            ),
+        )
+    };
+    assert_eq!(shed("replicas_full"), 1.0, "{page}");
+    assert_eq!(
+        metric(&page, r#"kinference_queued_requests{pool="tiny"}"#),
+        0.0,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_whose_replicas_all_refuse_answers_503_with_retry_after() {
+    // A port that was free a moment ago: nothing listens there now.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let mut cfg = config(&[closed], "least-load");
+    cfg.limits.retry_after_s = 7;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let addr = proxy.data_addr();
+    // Routed, passed through, and again once the replica is known to be down.
+    for (path, body) in [
+        ("/v1/completions", completion(1)),
+        (
+            "/tokenize",
+            json!({"model": MODEL, "prompt": "x"}).to_string(),
+        ),
+        ("/v1/completions", completion(2)),
+    ] {
+        let (status, head, body) = request(addr, "POST", path, &body).await;
+        assert_eq!(status, 503, "{path}: {head}{body}");
+        assert!(head.contains("retry-after: 7"), "{path}: {head}");
+        let err: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(err["error"]["type"], "ServiceUnavailableError", "{body}");
+        assert!(
+            err["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("no usable replica for pool `tiny`"),
+            "{body}"
+        );
+    }
+    proxy.shutdown().await;
+}
+
+/// HTTP/2 frame types read or written by hand.
+const SETTINGS: u8 = 0x4;
+const PING: u8 = 0x6;
+const ACK: u8 = 0x1;
+
+/// One HTTP/2 frame on stream 0.
+fn h2_frame(kind: u8, flags: u8, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = len.to_be_bytes()[1..].to_vec();
+    f.extend_from_slice(&[kind, flags, 0, 0, 0, 0]);
+    f.extend_from_slice(payload);
+    f
+}
+
+/// The next frame from `s` as (type, flags, payload); `None` once the router closed it.
+async fn next_h2_frame(s: &mut TcpStream, buf: &mut Vec<u8>) -> Option<(u8, u8, Vec<u8>)> {
+    let mut chunk = [0u8; 4096];
+    loop {
+        if buf.len() >= 9 {
+            let len = u32::from_be_bytes([0, buf[0], buf[1], buf[2]]) as usize;
+            if buf.len() >= 9 + len {
+                let frame: Vec<u8> = buf.drain(..9 + len).collect();
+                return Some((frame[3], frame[4], frame[9..].to_vec()));
+            }
+        }
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_stops_answering_pings_is_disconnected() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.h2_keep_alive_interval_ms = 100;
+    cfg.timeouts.h2_keep_alive_timeout_ms = 100;
+    // Longer than the test waits: only the PINGs can close the connection in time.
+    cfg.timeouts.keep_alive_ms = 10 * WAIT.as_millis() as u64;
+    cfg.timeouts.header_read_ms = 10 * WAIT.as_millis() as u64;
+    let proxy = Proxy::start(cfg).await.unwrap();
+
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        .await
+        .unwrap();
+    s.write_all(&h2_frame(SETTINGS, 0, &[])).await.unwrap();
+    // A client that answers keeps its connection: two PINGs answered in turn.
+    let mut buf = Vec::new();
+    let mut answered = 0;
+    while answered < 2 {
+        let (kind, flags, payload) = tokio::time::timeout(WAIT, next_h2_frame(&mut s, &mut buf))
+            .await
+            .expect("no PING came")
+            .expect("closed while the client answered");
+        match (kind, flags & ACK) {
+            (SETTINGS, 0) => s.write_all(&h2_frame(SETTINGS, ACK, &[])).await.unwrap(),
+            (PING, 0) => {
+                s.write_all(&h2_frame(PING, ACK, &payload)).await.unwrap();
+                answered += 1;
+            }
+            _ => {}
+        }
+    }
+    // Silent from now on: the next PING goes unanswered and the router hangs up.
+    let silent = tokio::time::Instant::now();
+    let mut pings = 0;
+    while let Some((kind, flags, _)) = tokio::time::timeout(WAIT, next_h2_frame(&mut s, &mut buf))
+        .await
+        .expect("the router never closed the silent connection")
+    {
+        if (kind, flags & ACK) == (PING, 0) {
+            pings += 1;
+        }
+    }
+    assert_eq!(
+        pings, 1,
+        "one PING, unanswered, and the connection is closed"
+    );
+    // The next PING is due an interval after the last answer, and closes the connection a
+    // timeout after it is sent.
+    assert!(
+        silent.elapsed() >= std::time::Duration::from_millis(200),
+        "{:?}",
+        silent.elapsed()
+    );
+    // The router may close the socket just before its connection task counts the timeout.
+    let series = r#"kinference_client_timeouts_total{port="data",kind="h2_keep_alive"}"#;
+    tokio::time::timeout(WAIT, async {
+        while !metrics_page(&proxy).await.contains(series) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the PING timeout was never counted");
+    let page = metrics_page(&proxy).await;
+    assert_eq!(metric(&page, series), 1.0, "{page}");
     proxy.shutdown().await;
 }
