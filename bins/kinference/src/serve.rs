@@ -117,6 +117,10 @@ pub struct ServeArgs {
     /// Requests of one pool forwarded at once (0: no limit).
     #[arg(long, env = "KINFERENCE_MAX_IN_FLIGHT")]
     max_in_flight: Option<usize>,
+    /// Requests forwarded at once to one replica (per DP rank; 0: no limit), e.g. the
+    /// replicas' --max-num-seqs divided among the routers.
+    #[arg(long, env = "KINFERENCE_MAX_IN_FLIGHT_PER_REPLICA")]
+    max_in_flight_per_replica: Option<u32>,
     /// Requests of one pool waiting for a place; beyond it, 429.
     #[arg(long, env = "KINFERENCE_MAX_QUEUE")]
     max_queue: Option<usize>,
@@ -309,6 +313,9 @@ impl ServeArgs {
             if let Some(v) = flag {
                 *field = v;
             }
+        }
+        if let Some(v) = self.max_in_flight_per_replica {
+            l.max_in_flight_per_replica = v;
         }
         if let Some(v) = self.h2_max_concurrent_streams {
             l.h2_max_concurrent_streams = v;
@@ -518,11 +525,14 @@ mod tests {
             "least-load",
             "--first-byte-timeout-ms",
             "5000",
+            "--max-in-flight-per-replica",
+            "64",
         ])
         .unwrap();
         let cfg = cli.serve.config().unwrap();
         assert_eq!(cfg.listen, "127.0.0.1:18080");
         assert_eq!(cfg.timeouts.first_byte_ms, 5000);
+        assert_eq!(cfg.limits.max_in_flight_per_replica, 64);
         let pool = &cfg.pools[0];
         assert_eq!(pool.models, ["M"]);
         assert_eq!(pool.block_size, 32);
