@@ -26,7 +26,7 @@ use serde_json::Value;
 use thiserror::Error;
 use tokio::net::TcpListener;
 
-use crate::publisher::{endpoint_port, publisher_binds};
+use crate::publisher::{endpoint_port, publisher_binds, EventFaults};
 use crate::{KvEventsConfig, LoraModule, Server, ServerConfig, ServerError};
 
 /// Why the flags do not describe a runnable fleet, or why it did not start.
@@ -140,6 +140,19 @@ pub struct SimArgs {
     /// Accepted for vLLM compatibility; adapters are served whenever `--lora-modules` is given.
     #[arg(long)]
     pub enable_lora: bool,
+    /// Test harnesses: percent of KV-event batches not sent live (still replayable), as a PUB
+    /// losing them at its high-water mark.
+    #[arg(long, default_value_t = 0.0)]
+    pub events_drop_pct: f64,
+    /// Test harnesses: percent of live KV-event batches sent twice.
+    #[arg(long, default_value_t = 0.0)]
+    pub events_dup_pct: f64,
+    /// Test harnesses: percent of live KV-event batches held back and sent after the next one.
+    #[arg(long, default_value_t = 0.0)]
+    pub events_reorder_pct: f64,
+    /// Seed of the injected event faults (one seed, one sequence of faults).
+    #[arg(long, default_value_t = 0)]
+    pub events_fault_seed: u64,
 }
 
 /// One replica to start: where it listens and what it runs.
@@ -256,16 +269,35 @@ impl SimArgs {
         Ok(e)
     }
 
-    /// The first replica's event config, from either flag style.
+    /// The first replica's event config, from either flag style, with the injected faults.
     pub fn kv_events(&self) -> Result<Option<KvEventsConfig>, CliError> {
-        if let Some(json) = &self.kv_events_config {
-            return parse_kv_events_config(json);
+        let faults = EventFaults {
+            drop_pct: self.events_drop_pct,
+            dup_pct: self.events_dup_pct,
+            reorder_pct: self.events_reorder_pct,
+            // Each replica of the process offsets it (see `plans`), so they differ.
+            seed: self.events_fault_seed,
+        };
+        faults.validate().map_err(|e| invalid("events-faults", e))?;
+        let cfg = if let Some(json) = &self.kv_events_config {
+            parse_kv_events_config(json)?
+        } else {
+            self.events_endpoint.as_ref().map(|e| {
+                let mut cfg = KvEventsConfig::new(e);
+                cfg.replay_endpoint = self.replay_endpoint.clone();
+                cfg.topic = self.events_topic.clone();
+                cfg
+            })
+        };
+        if faults.any() && cfg.is_none() {
+            return Err(invalid(
+                "events-faults",
+                "event faults need events (--events-endpoint or --kv-events-config)",
+            ));
         }
-        Ok(self.events_endpoint.as_ref().map(|e| {
-            let mut cfg = KvEventsConfig::new(e);
-            cfg.replay_endpoint = self.replay_endpoint.clone();
-            cfg.topic = self.events_topic.clone();
-            cfg
+        Ok(cfg.map(|mut c| {
+            c.faults = faults;
+            c
         }))
     }
 
@@ -298,7 +330,12 @@ impl SimArgs {
             let by = u16::try_from(i * dp).map_err(|_| invalid("replicas", "too many ports"))?;
             let kv = kv
                 .as_ref()
-                .map(|k| k.offset(by))
+                .map(|k| {
+                    k.offset(by).map(|mut k| {
+                        k.faults.seed = k.faults.seed.wrapping_add(i as u64);
+                        k
+                    })
+                })
                 .transpose()
                 .map_err(|e| invalid("events-endpoint", e))?;
             plans.push(ReplicaPlan {
@@ -600,6 +637,59 @@ mod tests {
         let off = parse_kv_events_config(r#"{"enable_kv_cache_events": false}"#).unwrap();
         assert_eq!(off, None);
         assert!(parse_kv_events_config(r#"{"buffer_steps": 0}"#).is_err());
+    }
+
+    #[test]
+    fn event_fault_flags_reach_every_replica_with_its_own_seed() {
+        let a = args(&[
+            "--replicas",
+            "2",
+            "--events-endpoint",
+            "tcp://127.0.0.1:0",
+            "--events-drop-pct",
+            "5",
+            "--events-dup-pct",
+            "1.5",
+            "--events-reorder-pct",
+            "2",
+            "--events-fault-seed",
+            "7",
+        ]);
+        let plans = a.plans().unwrap_or_else(|e| panic!("{e}"));
+        let f: Vec<EventFaults> = plans
+            .iter()
+            .map(|p| {
+                p.config
+                    .kv_events
+                    .as_ref()
+                    .map(|k| k.faults)
+                    .unwrap_or_default()
+            })
+            .collect();
+        assert_eq!(
+            (f[0].drop_pct, f[0].dup_pct, f[0].reorder_pct),
+            (5.0, 1.5, 2.0)
+        );
+        assert_eq!((f[0].seed, f[1].seed), (7, 8));
+        assert!(args(&[])
+            .plans()
+            .is_ok_and(|p| p[0].config.kv_events.is_none()));
+        let no_events = args(&["--events-drop-pct", "1"]).plans();
+        assert!(matches!(
+            no_events,
+            Err(CliError::Invalid {
+                flag: "events-faults",
+                ..
+            })
+        ));
+        let json = args(&["--kv-events-config", "{}", "--events-dup-pct", "200"]).plans();
+        assert!(matches!(
+            json,
+            Err(CliError::Invalid {
+                flag: "events-faults",
+                ..
+            })
+        ));
     }
 
     #[test]

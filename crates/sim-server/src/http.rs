@@ -24,7 +24,7 @@ use axum::Router;
 use kinference_sim::EngineMetrics;
 use kinference_tokenize::{ChatRequest, CompletionRequest, Tokenizer};
 use serde_json::{json, Value};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::driver::Command;
 use crate::error::ApiError;
@@ -55,6 +55,8 @@ pub struct RankState {
     pub outstanding: AtomicUsize,
     /// The rank's `--kv-events-config` (ports offset) and bound endpoints, if events are on.
     pub kv_events: Option<(KvEventsConfig, PublisherEndpoints)>,
+    /// Batches its publisher has published (numbered 0 .. this), if events are on.
+    pub published: Option<watch::Receiver<u64>>,
 }
 
 /// Shared state of the handlers.
@@ -86,6 +88,7 @@ pub fn router(state: Shared) -> Router {
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
         .route("/kv_event_sources", get(kv_event_sources))
+        .route("/debug/cache", get(debug_cache))
         .with_state(state)
 }
 
@@ -302,4 +305,28 @@ async fn kv_event_sources(State(state): State<Shared>) -> Response {
         );
     }
     json_response(StatusCode::OK, &Value::Object(map))
+}
+
+/// The simulator's own view of each rank's cache (no vLLM counterpart): `cached_blocks`, the
+/// distinct block hashes its prefix cache holds (what a subscriber that applied every event
+/// holds for the rank), and `published_batches`, the event batches published so far (the last
+/// sequence number + 1; null without events). Harnesses compare a router's index with it.
+async fn debug_cache(State(state): State<Shared>) -> Response {
+    let mut ranks = Vec::with_capacity(state.ranks.len());
+    for r in &state.ranks {
+        let (tx, rx) = oneshot::channel();
+        let look = Command::Inspect(Box::new(move |e: &kinference_sim::Engine| {
+            let _ = tx.send(e.block_pool().num_cached_digests());
+        }));
+        if r.driver.send(look).await.is_err() {
+            return ApiError::Internal("engine is not running".into()).into_response();
+        }
+        let Ok(cached) = rx.await else {
+            return ApiError::Internal("engine is not running".into()).into_response();
+        };
+        let published = r.published.as_ref().map(|p| *p.borrow());
+        ranks
+            .push(json!({"rank": r.rank, "cached_blocks": cached, "published_batches": published}));
+    }
+    json_response(StatusCode::OK, &json!({ "ranks": ranks }))
 }

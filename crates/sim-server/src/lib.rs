@@ -9,7 +9,8 @@
 //!
 //! To a router it looks like a vLLM 0.32+ replica: the OpenAI endpoints (with `n`, stop
 //! strings, logprobs, LoRA adapters and `cache_salt`), `/tokenize`, `/metrics` with vLLM's
-//! names, `/kv_event_sources`, and the KV-event stream on the wire. With
+//! names, `/kv_event_sources`, and the KV-event stream on the wire (plus `/debug/cache`, the
+//! simulator's own: each rank's cached blocks and published batches, for harnesses). With
 //! `data_parallel_size` D it is one API server in front of D engines, as vLLM's internal
 //! load balancing runs them: each rank has its own engine, publisher (endpoint port + rank)
 //! and `engine` metric label, and `X-data-parallel-rank` picks one.
@@ -39,7 +40,7 @@ use tokio::task::JoinHandle;
 
 pub use driver::Command;
 pub use error::{ApiError, ServerError};
-pub use publisher::{KvEventsConfig, PublisherEndpoints};
+pub use publisher::{EventFaults, KvEventsConfig, PublisherEndpoints};
 
 /// A LoRA adapter served under its own model name (vLLM's `--lora-modules name=path`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -164,6 +165,7 @@ impl Server {
                 driver: d.commands.clone(),
                 outstanding: AtomicUsize::new(0),
                 kv_events: kv.clone(),
+                published: published.clone(),
             });
             let events = kv.as_ref().map(|(c, eps)| RankEvents {
                 events: eps.events.clone().unwrap_or_else(|| c.endpoint.clone()),

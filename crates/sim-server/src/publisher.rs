@@ -10,6 +10,11 @@
 //! returns at once and libzmq dials in the background (and again after every loss), so the
 //! simulator serves before its router is up; batches published while no subscriber has its
 //! subscription in place are dropped, as vLLM's are (replay recovers them).
+//!
+//! [`faults`] can drop, duplicate and reorder live sends for tests of subscribers
+//! (`KvEventsConfig::faults`, off by default); the replay buffer is never affected.
+
+pub mod faults;
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,6 +27,8 @@ use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::error::ServerError;
+pub use faults::EventFaults;
+use faults::{Faulty, HOLD_MAX};
 
 /// Where and how events go out (vLLM's `--kv-events-config`).
 #[derive(Clone, Debug, PartialEq)]
@@ -36,6 +43,8 @@ pub struct KvEventsConfig {
     /// Batches queued between the engine and the socket (vLLM's `max_queue_size`, 100,000 by
     /// default); the engine waits while the queue is full.
     pub max_queue_size: usize,
+    /// Injected live-send faults (none by default).
+    pub faults: EventFaults,
 }
 
 impl KvEventsConfig {
@@ -46,6 +55,7 @@ impl KvEventsConfig {
             topic: String::new(),
             buffer_steps: 10_000,
             max_queue_size: 100_000,
+            faults: EventFaults::default(),
         }
     }
 
@@ -165,6 +175,7 @@ pub async fn start(cfg: &KvEventsConfig) -> Result<Publisher, ServerError> {
         rx,
         buffer,
         (cfg.topic.clone(), cfg.buffer_steps.max(1)),
+        Faulty::new(cfg.faults),
         published_tx,
     )));
     Ok(Publisher {
@@ -180,10 +191,12 @@ async fn publish(
     mut rx: mpsc::Receiver<KvEventBatch>,
     buffer: Buffer,
     (topic, capacity): (String, usize),
+    mut faults: Faulty<(u64, Bytes)>,
     published: watch::Sender<u64>,
 ) {
     let mut seq: u64 = 0;
     loop {
+        let holding = faults.holding();
         let batch = tokio::select! {
             b = rx.recv() => match b {
                 Some(b) => b,
@@ -197,6 +210,13 @@ async fn publish(
                 }
                 continue;
             }
+            // A reordered batch whose successor does not come goes out alone.
+            () = tokio::time::sleep(HOLD_MAX), if holding => {
+                if let Some((s, payload)) = faults.release() {
+                    send_live(&mut socket, &topic, s, &payload).await;
+                }
+                continue;
+            }
         };
         let payload = Bytes::from(codec::encode_batch(&batch));
         {
@@ -206,13 +226,19 @@ async fn publish(
             }
             buf.push_back((seq, payload.clone()));
         }
-        let [t, s, _] = frames::live_frames(&topic, seq, &[]);
-        let msg: [&[u8]; 3] = [&t, &s, &payload];
-        if let Err(e) = socket.send(&msg).await {
-            tracing::warn!(error = %e, seq, "kv event publish failed");
+        for (s, p) in faults.on_batch((seq, payload)) {
+            send_live(&mut socket, &topic, s, &p).await;
         }
         seq += 1;
         published.send_replace(seq);
+    }
+}
+
+async fn send_live(socket: &mut ZmqSocket, topic: &str, seq: u64, payload: &[u8]) {
+    let [t, s, _] = frames::live_frames(topic, seq, &[]);
+    let msg: [&[u8]; 3] = [&t, &s, payload];
+    if let Err(e) = socket.send(&msg).await {
+        tracing::warn!(error = %e, seq, "kv event publish failed");
     }
 }
 

@@ -478,3 +478,72 @@ async fn a_restarted_simulator_rebinds_its_event_ports_and_the_subscriber_follow
     plane.shutdown().await;
     second.shutdown();
 }
+
+/// `/debug/cache` of rank 0: (cached blocks, published batches).
+async fn debug_cache(server: &Server) -> (usize, u64) {
+    let (status, body) = get(server, "/debug/cache").await;
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    let r = &v["ranks"][0];
+    (
+        r["cached_blocks"].as_u64().unwrap() as usize,
+        r["published_batches"].as_u64().unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_duplicated_and_reordered_events_still_end_in_the_engine_blocks() {
+    let mut kv = sim::events_on_port_zero();
+    kv.faults = kinference_sim_server::EventFaults {
+        drop_pct: 20.0,
+        dup_pct: 5.0,
+        reorder_pct: 10.0,
+        seed: 3,
+    };
+    let server = start(Some(kv)).await;
+    let eps = server.endpoints.clone().unwrap();
+    let plane = EventPlane::start(EventPlaneConfig::default()).unwrap();
+    let cfg = WorkerConfig::connect(ReplicaId(1), DpRank(0), &loopback(&eps.events.unwrap()))
+        .with_replay(&loopback(&eps.replay.unwrap()));
+    let w = plane.add_worker(cfg).await.unwrap();
+    plane.wait_for(w, WAIT, |h| h.connected).await.unwrap();
+    // Enough batches that the seeded faults include each kind; a dropped batch shows as a
+    // gap only when a later one arrives, so requests go on until the index has caught up.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let mut i = 0;
+    loop {
+        let (cached, published) = debug_cache(&server).await;
+        assert_eq!(cached, engine_hashes(&server).await.len());
+        if published >= 40 {
+            let index = plane.index();
+            let caught_up = plane
+                .wait_for(w, Duration::from_secs(2), move |h| {
+                    h.applied_seq == Some(published - 1)
+                        && !h.stale
+                        && index.read().worker_entries(w) == cached
+                })
+                .await;
+            if caught_up.is_ok() {
+                break;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the index never caught up: {:?}",
+            plane.health(w)
+        );
+        let body = json!({"prompt": format!("{PROMPT} Faulty {i}?"), "max_tokens": 40});
+        let (status, text) = post(&server, "/v1/completions", &body).await;
+        assert_eq!(status, 200, "{text}");
+        i += 1;
+    }
+    let expected = engine_hashes(&server).await;
+    let index = plane.index();
+    assert!(expected
+        .iter()
+        .all(|b| index.read().holds(w, *b, Tier::Gpu)));
+    let h = plane.health(w).unwrap();
+    assert!(h.gaps > 0 && h.resets > 0, "faults were injected: {h:?}");
+    plane.shutdown().await;
+    server.shutdown();
+}

@@ -338,6 +338,12 @@ impl BlockPool {
         self.free.iter().map(BlockId).collect()
     }
 
+    /// Distinct digests in the prefix cache: what a KV-event subscriber that applied every
+    /// event holds for this pool (copies of one block count once, as in its index).
+    pub fn num_cached_digests(&self) -> usize {
+        self.cached.len()
+    }
+
     /// Every cached (digest, block) pair.
     pub fn cached_blocks(&self) -> Vec<(BlockDigest, BlockId)> {
         let mut out = Vec::with_capacity(self.cached.len());
