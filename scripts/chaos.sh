@@ -18,6 +18,16 @@
 #   - the router's RSS and descriptors stayed under bounds (sampled every second).
 # A table of figures is printed; the exit status is 1 if a check failed.
 #
+# Status (2026-12-04): not yet passing, so not in CI. Two 2-minute runs passed every check but
+# index = cache: after a router restart the new router replays each replica from 0, the replay
+# ROUTER socket (vLLM's too: it sets no send limit) drops what exceeds libzmq's default 1,000
+# queued messages, the fetch times out without its end marker, and the follow-up replay did not
+# close the gap, so the worker was cleared ("event gap cannot be replayed") and blocks cached
+# before the clear stay missing (1,462 of 1,498). With duplicate/reorder faults on, a repeated
+# or older sequence number is taken as a publisher restart (clear + replay from 0), which runs
+# into the same truncation. Both are router issues in crates/events (replays in chunks that
+# resume from the last batch received; confirming a restart through the replay overlap).
+#
 # usage: scripts/chaos.sh [BINARY]
 #   BINARY is a built `kinference`; without it `cargo build --release -p kinference` builds it.
 # env: CHAOS_MINUTES     load duration (10; CI: 2)      CHAOS_REPLICAS  replicas (4)
