@@ -52,6 +52,17 @@ enum Resolve {
     Verify,
 }
 
+/// What applying one replay's messages found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replay {
+    /// Applied in order (or skipped as already held) to the end.
+    Applied,
+    /// The overlap shows the publisher restarted.
+    Restarted,
+    /// Stopped at a hole after applying some: the rest is to be asked for again.
+    Holed,
+}
+
 /// How a replay fetch ended.
 #[derive(Debug)]
 enum FetchEnd {
@@ -411,20 +422,30 @@ impl Subscriber {
         };
         let mut backoff = Backoff::new(self.spec.plane.backoff.clone(), self.spec.seed ^ until);
         let epoch_before = self.epoch;
-        for attempt in 0..self.spec.plane.replay_attempts {
+        // Attempts that got nothing new; a truncated replay that moved forward is asked again
+        // from where it stopped without counting (vLLM's replay ROUTER keeps libzmq's default
+        // send limit of 1,000 queued messages and drops the rest, end marker included).
+        let mut attempt = 0;
+        while attempt < self.spec.plane.replay_attempts {
             let from = self.seq.replay_start();
             self.spec.health.send_modify(|h| h.replays_attempted += 1);
             let (items, end) = self.fetch(&endpoint, from).await?;
-            let restarted = self.apply_replayed(items).await?;
-            if restarted {
+            let replayed = self.apply_replayed(items).await?;
+            if replayed == Replay::Restarted {
                 self.reset(until).await?;
                 // `until` is the live message that started this gap: keep judging against it.
                 self.seq.note_live(until);
+                attempt += 1;
                 continue;
             }
             if self.reached(until) {
                 // Only a fill that needed no clear on the way counts as a success.
                 return Ok(self.epoch == epoch_before);
+            }
+            if replayed == Replay::Holed {
+                tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
+                    to = self.seq.replay_start(), "replay has a hole after progress; asking again");
+                continue;
             }
             match end {
                 FetchEnd::Complete => return Ok(false),
@@ -433,17 +454,26 @@ impl Subscriber {
                     return Ok(false);
                 }
                 FetchEnd::Failed(e) => {
+                    if self.seq.replay_start() > from {
+                        tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
+                            to = self.seq.replay_start(), error = %e,
+                            "replay cut short after progress; asking for the rest");
+                        continue;
+                    }
                     tracing::warn!(worker = ?self.spec.worker, %endpoint, from, attempt,
                         error = %e, "replay failed");
                 }
             }
+            attempt += 1;
             self.wait_buffering(&mut backoff).await?;
         }
         Ok(false)
     }
 
-    /// Applies replayed messages in order; returns true when the overlap shows a restart.
-    async fn apply_replayed(&mut self, items: Vec<Result<SeqMsg, WireError>>) -> Flow<bool> {
+    /// Applies replayed messages in order; says whether the overlap showed a restart or a hole
+    /// stopped it after progress.
+    async fn apply_replayed(&mut self, items: Vec<Result<SeqMsg, WireError>>) -> Flow<Replay> {
+        let mut applied = false;
         for item in items {
             let msg = match item {
                 Ok(m) => m,
@@ -460,15 +490,23 @@ impl Subscriber {
             };
             match self.seq.classify_replayed(msg.seq, &msg.payload) {
                 Replayed::Skip => {}
-                Replayed::Apply => self.apply(incoming, true).await?,
-                Replayed::Mismatch => return Ok(true),
+                Replayed::Apply => {
+                    self.apply(incoming, true).await?;
+                    applied = true;
+                }
+                Replayed::Mismatch => return Ok(Replay::Restarted),
+                // A hole after progress: the publisher dropped replies past its send limit
+                // (libzmq's ROUTER drops while a peer's queue is full); ask again from it.
+                Replayed::Hole { .. } if applied => return Ok(Replay::Holed),
+                // At the start: the publisher no longer holds what is missing.
                 Replayed::Hole { .. } => {
                     self.unrecoverable(msg.seq).await?;
                     self.apply(incoming, true).await?;
+                    applied = true;
                 }
             }
         }
-        Ok(false)
+        Ok(Replay::Applied)
     }
 
     /// Fetches a replay from `from` while buffering live messages.

@@ -548,3 +548,24 @@ async fn restart_that_continues_at_the_expected_number_is_caught_after_reconnect
     assert_eq!(h.sync, SyncState::Synced);
     rig.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_longer_than_the_publishers_send_limit_is_fetched_in_rounds() {
+    // vLLM's replay ROUTER keeps libzmq's default send limit (1,000 queued messages) and drops
+    // what exceeds it, end marker included: a replay of more batches arrives truncated.
+    let mut rig = rig(5_000, true, fast_config()).await;
+    let mut model = Model::default();
+    rig.publish(&chain(0), &mut model).await;
+    rig.wait_applied(0).await;
+    for i in 1..2_600 {
+        rig.drop_live(&chain(i), &mut model);
+    }
+    let last = rig.publish(&chain(2_600), &mut model).await;
+    let h = rig.wait_applied(last).await;
+    assert_eq!(h.unrecoverable_gaps, 0, "{h:?}");
+    assert_eq!(h.resets, 0, "{h:?}");
+    rig.assert_index(&model);
+    assert_eq!(h.resets, 0, "{h:?}");
+    assert_eq!(h.batches_applied, 2_601, "{h:?}");
+    rig.close().await;
+}
