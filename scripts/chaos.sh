@@ -18,15 +18,13 @@
 #   - the router's RSS and descriptors stayed under bounds (sampled every second).
 # A table of figures is printed; the exit status is 1 if a check failed.
 #
-# Status (2026-12-04): not yet passing, so not in CI. Two 2-minute runs passed every check but
-# index = cache: after a router restart the new router replays each replica from 0, and the
-# replay ROUTER socket (vLLM's too: it sets no send limit) drops replies while more than
-# libzmq's default 1,000 are queued. The router then cleared the worker at the first hole
-# ("event gap cannot be replayed") and blocks cached before it stayed missing (1,462 of 1,498).
-# Since then a replay with a hole after progress is asked again from the hole
-# (crates/events, test a_replay_longer_than_the_publishers_send_limit_is_fetched_in_rounds);
-# the soak has not been rerun with that fix. With duplicate/reorder faults on, a repeated or
-# older sequence number is still taken as a publisher restart (clear + replay from 0).
+# Status (2026-12-04): not in CI yet. Before the events fix (a replay with a hole after progress
+# is asked again from the hole, instead of clearing the worker) every 2-minute run failed
+# index = cache after the router restart; with it one 2-minute run passed every check with
+# drop faults on (CHAOS_DUP_PCT=0 CHAOS_REORDER_PCT=0; BENCHMARKS.md, "Chaos soak"). With
+# duplicate/reorder faults on, a repeated or older sequence number is still taken as a
+# publisher restart (clear + replay from 0): TCP never duplicates or reorders, so this is
+# left for when the soak needs it.
 #
 # usage: scripts/chaos.sh [BINARY]
 #   BINARY is a built `kinference`; without it `cargo build --release -p kinference` builds it.
