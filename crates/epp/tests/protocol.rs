@@ -8,7 +8,6 @@
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 use std::collections::HashMap;
-use std::time::Duration;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue, Metadata};
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
@@ -688,28 +687,26 @@ async fn a_request_without_a_body_is_picked_on_its_headers_and_health_says_servi
         .await
         .unwrap();
     let mut health = tonic_health::pb::health_client::HealthClient::new(channel);
+    // Health.Watch streams every status change: wait on it, not on a timer.
     for service in ["", "envoy.service.ext_proc.v3.ExternalProcessor"] {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
-            let r = health
-                .check(tonic_health::pb::HealthCheckRequest {
-                    service: service.to_owned(),
-                })
-                .await;
-            if let Ok(r) = r {
-                if r.into_inner().status
-                    == tonic_health::pb::health_check_response::ServingStatus::Serving as i32
-                {
-                    break;
+        let mut updates = health
+            .watch(tonic_health::pb::HealthCheckRequest {
+                service: service.to_owned(),
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        let serving = tonic_health::pb::health_check_response::ServingStatus::Serving as i32;
+        tokio::time::timeout(WAIT, async {
+            while let Some(update) = updates.message().await.unwrap() {
+                if update.status == serving {
+                    return;
                 }
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{service:?} never served"
-            );
-            // The status is published within a second of readiness; watch would also do.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            panic!("{service:?}: the health stream ended before SERVING");
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{service:?} never served"));
     }
     proxy.shutdown().await;
 }
