@@ -37,7 +37,7 @@ use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
 use crate::limits::Admitted;
 use crate::link::LinkBody;
-use crate::metrics::{PoolKind, PoolLabel, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
+use crate::metrics::{PoolKind, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
 use crate::upstream::{build_request, error_chain, response_headers, Upstream, UriError};
 use crate::usage::UsageScanner;
 
@@ -358,17 +358,7 @@ impl UpstreamBody {
             &self.obs.pool,
             self.scanner.as_ref().and_then(UsageScanner::cached_tokens),
         ) {
-            let pk = |kind| PoolKind {
-                pool: pool.clone(),
-                kind,
-            };
-            m.cached_tokens
-                .get_or_create(&pk("predicted"))
-                .inc_by(u64::from(self.obs.predicted_cached));
-            m.cached_tokens.get_or_create(&pk("actual")).inc_by(actual);
-            m.usage_observed
-                .get_or_create(&PoolLabel { pool: pool.clone() })
-                .inc();
+            m.record_usage(pool, self.obs.predicted_cached, actual);
         }
         self.guard = None;
         self.admitted = None;

@@ -213,6 +213,26 @@ impl Metrics {
         }
     }
 
+    /// A routed response that reported its cached tokens: the prediction it was routed on
+    /// against what the replica says it served from cache.
+    pub fn record_usage(&self, pool: &str, predicted: u32, actual: u64) {
+        let pk = |kind| PoolKind {
+            pool: pool.to_owned(),
+            kind,
+        };
+        self.cached_tokens
+            .get_or_create(&pk("predicted"))
+            .inc_by(u64::from(predicted));
+        self.cached_tokens
+            .get_or_create(&pk("actual"))
+            .inc_by(actual);
+        self.usage_observed
+            .get_or_create(&PoolLabel {
+                pool: pool.to_owned(),
+            })
+            .inc();
+    }
+
     /// Removes the series of replicas `keep` rejects (ones no longer in the fleet); returns
     /// how many series went.
     pub fn forget_replicas(&self, keep: &dyn Fn(&str) -> bool) -> usize {

@@ -20,7 +20,7 @@ use crate::decide::{self, Api, Routed, Target};
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight};
 use crate::limits::Admitted;
-use crate::metrics::{PoolKind, PoolLabel, RequestLabels, RouteReplica};
+use crate::metrics::{PoolKind, RequestLabels, RouteReplica};
 use crate::usage::UsageScanner;
 
 /// Picks endpoints for requests a gateway forwards itself. Cheap to clone.
@@ -58,7 +58,7 @@ impl Picker {
         };
         let route = api.map_or("picked_other", Api::route_label);
         let picked = match api {
-            Some(api) => self.pick_routed(api, route, &req).await,
+            Some(api) => self.pick_routed(api, route, req).await,
             None => self.pick_by_load(route, &req).await,
         };
         picked.inspect_err(|e| decide::count_rejected(&self.fleet, route, e))
@@ -68,23 +68,19 @@ impl Picker {
         &self,
         api: Api,
         route: &'static str,
-        req: &PickRequest<'_>,
+        req: PickRequest<'_>,
     ) -> Result<Pick, RequestError> {
         let fleet = &self.fleet;
         let looked = decide::lookup(fleet, req.body)?;
         let admitted = decide::admit(fleet, looked.pool, req.subset.as_deref()).await?;
         let mut prepared =
             decide::prepare_looked(fleet, api, looked, req.body, req.headers, false)?;
-        prepared.subset.clone_from(&req.subset);
-        let routed = decide::route(fleet, prepared);
+        prepared.subset = req.subset;
+        let mut routed = decide::route(fleet, prepared);
         if routed.targets.is_empty() {
-            let mut routed = routed;
             decide::landed(fleet, &mut routed, None);
-            return Err(no_endpoint(
-                fleet,
-                &routed.prepared.pool.name,
-                req.subset.as_deref(),
-            ));
+            let p = &routed.prepared;
+            return Err(no_endpoint(fleet, &p.pool.name, p.subset.as_deref()));
         }
         decide::record_decision(fleet, &routed);
         let prompt_tokens = routed.prepared.prompt_tokens;
@@ -405,18 +401,7 @@ impl Pick {
                 .targets()
                 .get(*i)
                 .map_or(0, |t| t.predicted_cached);
-            let pool = self.picked.pool().to_owned();
-            let pk = |kind| PoolKind {
-                pool: pool.clone(),
-                kind,
-            };
-            m.cached_tokens
-                .get_or_create(&pk("predicted"))
-                .inc_by(u64::from(predicted));
-            m.cached_tokens.get_or_create(&pk("actual")).inc_by(actual);
-            m.usage_observed
-                .get_or_create(&PoolLabel { pool: pool.clone() })
-                .inc();
+            m.record_usage(self.picked.pool(), predicted, actual);
         }
         self.claim = None;
         self.admitted = None;
@@ -427,6 +412,9 @@ impl Pick {
     /// to have served), otherwise (an error, a reset) nothing is known to have run and the
     /// speculative entries are taken back.
     pub fn abandon(&mut self, clean: bool) {
+        if self.done {
+            return;
+        }
         if self.served.is_none() {
             if !clean {
                 if let Picked::Routed(r) = &mut self.picked {
@@ -434,8 +422,6 @@ impl Pick {
                 }
             }
             self.count_served("unreported");
-            // Only once.
-            self.served = Some((Served::Elsewhere, String::new()));
         }
         self.finish();
     }
@@ -454,8 +440,6 @@ impl Pick {
 
 impl Drop for Pick {
     fn drop(&mut self) {
-        if !self.done {
-            self.abandon(false);
-        }
+        self.abandon(false);
     }
 }
