@@ -9,12 +9,13 @@
 use std::net::SocketAddr;
 
 use kinference_proxy::{Config, PoolConfig, Proxy, ReplicaSpec};
-use kinference_sim_server::Server;
 use kinference_testgw::{Gateway, GatewayConfig, RequestBodyMode, ResponseBodyMode};
 use kinference_testkit::{metric, sim, tokenizer_dir, WAIT};
 use serde_json::{json, Value};
 
-const MODEL: &str = "tiny";
+mod common;
+
+use common::{admin_metrics, sims, wait_no_in_flight, MODEL};
 
 fn prompt(doc: usize, question: usize) -> String {
     let mut s = format!("Document {doc}. ");
@@ -25,16 +26,6 @@ fn prompt(doc: usize, question: usize) -> String {
     }
     s.push_str(&format!("Question {question}: what does it say?"));
     s
-}
-
-async fn sims(n: usize) -> Vec<Server> {
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let mut cfg = sim::config(MODEL, 600, 32, 1000.0);
-        cfg.kv_events = Some(sim::events_on_port_zero());
-        out.push(sim::start(cfg).await);
-    }
-    out
 }
 
 fn config(replicas: Vec<ReplicaSpec>, scrape_ms: u64) -> Config {
@@ -120,15 +111,6 @@ async fn workload(addr: SocketAddr) -> (u64, u64, Vec<String>) {
     (prompt_tokens, cached, served)
 }
 
-async fn admin_metrics(proxy: &Proxy) -> String {
-    reqwest::get(format!("http://{}/metrics", proxy.admin_addr()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn through_the_gateway_the_picker_gets_the_cache_hits_serve_gets() {
     // The same workload on two fresh fleets: one behind `kinference serve`, one behind the
@@ -178,15 +160,7 @@ async fn through_the_gateway_the_picker_gets_the_cache_hits_serve_gets() {
         assert_eq!(stats.requests, 12);
         assert_eq!(stats.fallbacks, 0);
         assert_eq!(stats.picker_latency.count, 12);
-        picker
-            .wait_until(WAIT, |s| {
-                s.pools[0]
-                    .replicas
-                    .iter()
-                    .all(|r| r.workers[0].load.in_flight == 0)
-            })
-            .await
-            .unwrap_or_else(|s| panic!("{mode:?}: an in-flight claim leaked: {s:#?}"));
+        wait_no_in_flight(&picker).await;
         let page = admin_metrics(&picker).await;
         assert_eq!(
             metric(

@@ -27,7 +27,9 @@ use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
 use tonic::Streaming;
 
-const MODEL: &str = "tiny";
+mod common;
+
+use common::{admin_metrics, sims, wait_no_in_flight, MODEL};
 
 /// A long shared prefix (about 1,000 tokens) and a question that differs per request.
 fn prompt(doc: usize, question: &str) -> String {
@@ -43,16 +45,6 @@ fn prompt(doc: usize, question: &str) -> String {
 
 fn completion(prompt: &str) -> Vec<u8> {
     serde_json::to_vec(&json!({"model": MODEL, "prompt": prompt, "max_tokens": 4})).unwrap()
-}
-
-async fn sims(n: usize) -> Vec<Server> {
-    let mut out = Vec::new();
-    for _ in 0..n {
-        let mut cfg = sim::config(MODEL, 600, 32, 1000.0);
-        cfg.kv_events = Some(sim::events_on_port_zero());
-        out.push(sim::start(cfg).await);
-    }
-    out
 }
 
 /// The picker in front of `sims`, the precise policy without speculation (a cache hit can only
@@ -318,27 +310,6 @@ async fn forward(endpoint: &str, payload: &[u8]) -> (u16, Vec<u8>) {
         .await
         .unwrap();
     (r.status().as_u16(), r.bytes().await.unwrap().to_vec())
-}
-
-async fn wait_no_in_flight(proxy: &Proxy) {
-    proxy
-        .wait_until(WAIT, |s| {
-            s.pools[0]
-                .replicas
-                .iter()
-                .all(|r| r.workers.iter().all(|w| w.load.in_flight == 0))
-        })
-        .await
-        .unwrap_or_else(|s| panic!("an in-flight claim leaked: {s:#?}"));
-}
-
-async fn admin_metrics(proxy: &Proxy) -> String {
-    reqwest::get(format!("http://{}/metrics", proxy.admin_addr()))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
 }
 
 fn in_flight_of(proxy: &Proxy, endpoint: &str) -> u32 {
