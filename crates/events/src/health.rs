@@ -75,6 +75,9 @@ pub struct WorkerHealth {
     pub unrecoverable_gaps: u64,
     /// Publisher restarts detected (sequence went back, or replay showed different content).
     pub resets: u64,
+    /// Live messages at or below the stream's position that the replay overlap proved to be
+    /// copies or late arrivals from the same publisher instance (skipped, nothing cleared).
+    pub repeats: u64,
     /// Messages that could not be parsed or decoded (skipped).
     pub decode_errors: u64,
     /// Socket setup or receive errors, and failed dials (nobody listening yet; libzmq redials
@@ -111,6 +114,7 @@ impl WorkerHealth {
             replayed_batches: 0,
             unrecoverable_gaps: 0,
             resets: 0,
+            repeats: 0,
             decode_errors: 0,
             socket_errors: 0,
             entries: 0,

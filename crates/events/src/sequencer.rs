@@ -3,8 +3,10 @@
 //! Invariants: `next` is the sequence number the index needs next (`None` until the first
 //! message is accepted, and again after a reset); live messages of one publisher instance are
 //! strictly increasing, so a live number at or below the previous live number means the
-//! publisher restarted. The payload of the last accepted message is kept so that a replay
-//! starting one message early can prove it comes from the same publisher instance.
+//! publisher restarted, or that a copy or a late arrival of a message already held came in
+//! (ZMQ over TCP never does this, but a relay or a faulty network can). The payload of the last
+//! accepted message is kept so that a replay starting there can prove it comes from the same
+//! publisher instance: that proof tells the two cases apart.
 
 use bytes::Bytes;
 
@@ -19,6 +21,10 @@ pub(crate) enum Live {
     Gap { from: u64 },
     /// The publisher restarted (its numbers went back): clear the worker, then start afresh.
     Reset,
+    /// A number at or below the last live one and older than the stream's position: a
+    /// restarted publisher, or a copy or late arrival of a message already held. Only the
+    /// replay overlap ([`Sequencer::overlap`]) can tell; without that proof it is a restart.
+    Behind,
 }
 
 /// What a replayed message means for the index.
@@ -62,12 +68,26 @@ impl Sequencer {
         }
     }
 
+    /// The last accepted message with its content, which a replay from its number must repeat
+    /// byte for byte if the publisher is the same instance.
+    pub fn overlap(&self) -> Option<(u64, Bytes)> {
+        match &self.last_accepted {
+            Some((seq, Some(payload))) => Some((*seq, payload.clone())),
+            _ => None,
+        }
+    }
+
     pub fn classify_live(&mut self, seq: u64) -> Live {
-        let went_back = self.last_live.is_some_and(|last| seq <= last);
-        self.last_live = Some(seq);
-        if went_back {
+        if self.last_live.is_some_and(|last| seq <= last) {
+            let behind = self.next.is_some_and(|next| seq < next);
+            if behind && self.overlap().is_some() {
+                // The last live number stands until a restart is proven.
+                return Live::Behind;
+            }
+            self.last_live = Some(seq);
             return Live::Reset;
         }
+        self.last_live = Some(seq);
         match self.next {
             None if seq == 0 => Live::Apply,
             None => Live::Gap { from: 0 },
@@ -188,13 +208,23 @@ mod tests {
     }
 
     #[test]
-    fn going_back_is_a_reset() {
+    fn going_back_is_behind_until_the_overlap_proves_a_restart() {
         let mut s = Sequencer::default();
         for seq in 0..10 {
             s.classify_live(seq);
             s.accept(seq, b("x"));
         }
-        assert_eq!(s.classify_live(1), Live::Reset);
+        assert_eq!(s.classify_live(1), Live::Behind);
+        assert_eq!(s.classify_live(9), Live::Behind, "a repeat of the last one");
+        assert_eq!(s.overlap(), Some((9, Bytes::from_static(b"x"))));
+        assert_eq!(s.classify_live(10), Live::Apply, "a copy moved nothing");
+        let mut unreadable = s.clone();
+        unreadable.accept(10, None);
+        assert_eq!(
+            unreadable.classify_live(1),
+            Live::Reset,
+            "nothing to prove the instance with"
+        );
         s.reset();
         assert!(s.is_fresh());
         assert_eq!(s.replay_start(), 0);

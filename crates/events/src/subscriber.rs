@@ -277,7 +277,11 @@ impl Subscriber {
             Live::Apply => self.apply(msg, false).await,
             Live::Duplicate => Ok(()),
             Live::Gap { .. } => self.resolve(msg, Resolve::Gap).await,
-            Live::Reset => {
+            Live::Behind if self.same_instance().await? => {
+                self.spec.health.send_modify(|h| h.repeats += 1);
+                Ok(())
+            }
+            Live::Behind | Live::Reset => {
                 self.reset(msg.seq).await?;
                 match self.seq.classify_live(msg.seq) {
                     Live::Apply => self.apply(msg, false).await,
@@ -285,6 +289,22 @@ impl Subscriber {
                 }
             }
         }
+    }
+
+    /// Whether the publisher still holds the last accepted message with the same content: then
+    /// a live number that went back was a copy or a late arrival, not a restart. A replay that
+    /// fails or lacks that message proves nothing, and the caller treats it as a restart (as
+    /// without a replay endpoint). Live messages arriving meanwhile are buffered as usual.
+    async fn same_instance(&mut self) -> Flow<bool> {
+        let (Some(endpoint), Some((seq, payload))) = (self.spec.replay.clone(), self.seq.overlap())
+        else {
+            return Ok(false);
+        };
+        self.spec.health.send_modify(|h| h.replays_attempted += 1);
+        let (items, _) = self.fetch(&endpoint, seq).await?;
+        Ok(items
+            .iter()
+            .any(|m| matches!(m, Ok(m) if m.seq == seq && m.payload == payload)))
     }
 
     /// Accepts `msg` as the next of the stream and sends its batch to the index.

@@ -206,6 +206,25 @@ impl FakePublisher {
         self.buffer(&encode_batch(batch))
     }
 
+    /// Sends the buffered message `seq` live again, as a copy or a late arrival would come;
+    /// returns whether the buffer still held it.
+    pub async fn resend(&mut self, seq: u64) -> Result<bool, EventsError> {
+        let payload = {
+            let state = self.state.lock();
+            state
+                .buffer
+                .iter()
+                .find(|(s, _)| *s == seq)
+                .map(|(_, p)| p.clone())
+        };
+        let Some(payload) = payload else {
+            return Ok(false);
+        };
+        let frames = frames::live_frames(&self.topic, seq, &payload);
+        self.socket.send(&frames).await?;
+        Ok(true)
+    }
+
     /// Sends raw frames; sequence numbers and the replay buffer are untouched.
     pub async fn send_frames(&mut self, frames: Vec<Vec<u8>>) -> Result<(), EventsError> {
         Ok(self.socket.send(&frames).await?)

@@ -271,6 +271,51 @@ async fn publisher_restart_clears_and_rebuilds() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copies_and_late_arrivals_are_skipped_once_the_overlap_proves_the_same_publisher() {
+    let mut rig = rig(100, true, fast_config()).await;
+    let mut model = Model::default();
+    for i in 0..5 {
+        rig.publish(&chain(i), &mut model).await;
+    }
+    rig.wait_applied(4).await;
+    // A copy of the last message, then a reordered pair: 6 arrives live before 5.
+    assert!(rig.publisher.resend(4).await.unwrap());
+    rig.wait("the copy proven", |h| h.repeats == 1).await;
+    let five = rig.drop_live(&chain(5), &mut model);
+    rig.publish(&chain(6), &mut model).await;
+    rig.wait_applied(6).await;
+    assert!(rig.publisher.resend(five).await.unwrap());
+    rig.wait("the late arrival proven", |h| h.repeats == 2)
+        .await;
+    let last = rig.publish(&chain(7), &mut model).await;
+    let h = rig.wait_applied(last).await;
+    rig.assert_index(&model);
+    assert_eq!((h.resets, h.unrecoverable_gaps, h.gaps), (0, 0, 1), "{h:?}");
+    assert_eq!(
+        h.batches_applied, 8,
+        "each batch applied exactly once: {h:?}"
+    );
+    assert_eq!(h.sync, SyncState::Synced);
+    rig.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_number_going_back_without_a_replay_endpoint_is_a_restart() {
+    let mut rig = rig(100, false, fast_config()).await;
+    let mut model = Model::default();
+    for i in 0..5 {
+        rig.publish(&chain(i), &mut model).await;
+    }
+    rig.wait_applied(4).await;
+    assert!(rig.publisher.resend(4).await.unwrap());
+    let h = rig
+        .wait("the copy taken for a restart", |h| h.resets == 1)
+        .await;
+    assert_eq!(h.repeats, 0);
+    rig.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn publisher_restart_with_lost_first_messages_replays_from_zero() {
     let mut rig = rig(100, true, fast_config()).await;
     let mut old = Model::default();

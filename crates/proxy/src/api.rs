@@ -268,6 +268,9 @@ pub struct EventStreamStatus {
     pub replayed_batches: u64,
     pub unrecoverable_gaps: u64,
     pub resets: u64,
+    /// Live messages behind the stream that the replay proved to be copies (not a restart).
+    #[serde(default)]
+    pub repeats: u64,
     pub decode_errors: u64,
     pub socket_errors: u64,
     /// Milliseconds since the last live event, if one arrived.

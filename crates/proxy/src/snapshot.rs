@@ -126,6 +126,7 @@ fn events(pool: &Pool, h: &WorkerHealth, now: Instant) -> EventStreamStatus {
         replayed_batches: h.replayed_batches,
         unrecoverable_gaps: h.unrecoverable_gaps,
         resets: h.resets,
+        repeats: h.repeats,
         decode_errors: h.decode_errors,
         socket_errors: h.socket_errors,
         last_event_age_ms: h.last_event_age(now).map(|d| d.as_millis() as u64),
