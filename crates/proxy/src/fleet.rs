@@ -380,14 +380,27 @@ impl Replica {
     }
 
     pub fn set_up(&self) {
-        self.health.store(UP, Ordering::Relaxed);
+        if self.health.swap(UP, Ordering::Relaxed) != UP {
+            self.health_changed();
+        }
     }
 
     /// Marks the replica down; returns whether it was not down before.
     pub fn set_down(&self, error: String) -> bool {
         let was = self.health.swap(DOWN, Ordering::Relaxed);
         self.info.lock().last_error = Some(error);
+        if was != DOWN {
+            self.health_changed();
+        }
         was != DOWN
+    }
+
+    /// A replica coming up is new room; one going down can be too (when every replica is
+    /// down, requests may go to all of them): requests waiting for room look again.
+    fn health_changed(&self) {
+        if let Some(room) = &self.room {
+            room.notify_waiters();
+        }
     }
 
     pub fn is_scorable(&self) -> bool {

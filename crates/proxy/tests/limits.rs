@@ -29,6 +29,13 @@ const MODEL: &str = "tiny";
 async fn replica(status: u16, hold: watch::Receiver<bool>) -> SocketAddr {
     let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = l.local_addr().unwrap();
+    serve_replica(l, status, hold);
+    addr
+}
+
+/// [`replica`] on a listener already bound. `GET /metrics` is answered at once with an empty
+/// page (a scrape sees a healthy replica with no load), whatever `hold` says.
+fn serve_replica(l: TcpListener, status: u16, hold: watch::Receiver<bool>) {
     tokio::spawn(async move {
         while let Ok((mut sock, _)) = l.accept().await {
             let mut hold = hold.clone();
@@ -38,7 +45,15 @@ async fn replica(status: u16, hold: watch::Receiver<bool>) -> SocketAddr {
                     let Some(end) = read_request(&mut sock, &mut buf).await else {
                         return;
                     };
+                    let scrape = buf.starts_with(b"GET /metrics ");
                     buf.drain(..end);
+                    if scrape {
+                        let resp = "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n";
+                        if sock.write_all(resp.as_bytes()).await.is_err() {
+                            return;
+                        }
+                        continue;
+                    }
                     if hold.wait_for(|h| !*h).await.is_err() {
                         return;
                     }
@@ -55,7 +70,6 @@ async fn replica(status: u16, hold: watch::Receiver<bool>) -> SocketAddr {
             });
         }
     });
-    addr
 }
 
 /// Reads one request into `buf`; the length of its head and body, or `None` at EOF.
@@ -702,6 +716,61 @@ async fn a_replica_at_its_in_flight_limit_is_passed_over_and_a_full_pool_queues_
         0.0,
         "{page}"
     );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waiting_for_room_is_served_as_soon_as_a_replica_comes_back_up() {
+    let (release, hold) = watch::channel(true);
+    let a = replica(200, hold.clone()).await;
+    // B: a port nothing listens on yet.
+    let b = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let b_addr = b.local_addr().unwrap();
+    drop(b);
+    let mut cfg = config(&[a, b_addr], "least-load");
+    cfg.scrape.interval_ms = 20;
+    cfg.scrape.idle_interval_ms = 20;
+    cfg.limits.max_in_flight_per_replica = 1;
+    cfg.limits.max_queue = 1;
+    // Far longer than the test waits: only a wake-up can serve the queued request in time.
+    cfg.timeouts.queue_ms = 10 * WAIT.as_millis() as u64;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let addr = proxy.data_addr();
+    let health = |s: &kinference_proxy::ReplicasResponse| -> Vec<kinference_proxy::api::Health> {
+        s.pools[0].replicas.iter().map(|r| r.health).collect()
+    };
+    use kinference_proxy::api::Health::{Down, Up};
+    proxy
+        .wait_until(WAIT, |s| health(s) == [Up, Down])
+        .await
+        .unwrap();
+
+    // A holds the first request; the second waits for room (B is down).
+    let first = session_request(addr, "s1", 1);
+    proxy
+        .wait_until(WAIT, |s| in_flight(s) == [1, 0])
+        .await
+        .unwrap();
+    let second = session_request(addr, "s2", 2);
+    loop {
+        let page = metrics_page(&proxy).await;
+        if metric(&page, r#"kinference_queued_requests{pool="tiny"}"#) == 1.0 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+
+    // B comes up on the same port; the scrape that finds it wakes the waiting request.
+    let b = TcpListener::bind(b_addr).await.unwrap();
+    serve_replica(b, 200, watch::channel(false).1);
+    let (status, head, body) = tokio::time::timeout(WAIT, second)
+        .await
+        .expect("the waiting request was not woken when B came up")
+        .unwrap();
+    assert_eq!(status, 200, "{head}{body}");
+    assert!(!first.is_finished(), "A was released early");
+    release.send(false).unwrap();
+    assert_eq!(first.await.unwrap().0, 200);
     proxy.shutdown().await;
 }
 
