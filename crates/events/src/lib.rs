@@ -44,11 +44,18 @@
 //!   [`EventPlaneConfig::replay_attempts`], or the publisher's buffer no longer holds the start
 //!   of the gap): counted, the worker is cleared, and the stream continues from the oldest
 //!   message still available; the worker is then `Resynced`.
-//! - **Reset** (a live number at or below the previous live number, or replay content that
-//!   differs from what was applied: the engine restarted): counted, the worker is cleared, and
-//!   the new stream is rebuilt from 0 (by replay when its first messages were missed). After a
-//!   reconnection the first in-order message is verified through the replay overlap too, since
-//!   a restarted engine can happen to continue at exactly the expected number.
+//! - **Repeat** (a live number at or below the previous live number and below `next`): a copy
+//!   or a late arrival, or a restarted engine; only the publisher can tell. A replay from the
+//!   last applied number is fetched: when it holds that message with the same content, the
+//!   publisher is the same instance and the message is skipped (counted in `repeats`, nothing
+//!   cleared); when the replay fails or does not hold it, or there is no replay endpoint, it is
+//!   a reset.
+//! - **Reset** (a live number at or below the previous live number that is not a proven
+//!   repeat, or replay content that differs from what was applied: the engine restarted):
+//!   counted, the worker is cleared, and the new stream is rebuilt from 0 (by replay when its
+//!   first messages were missed). After a reconnection the first in-order message is verified
+//!   through the replay overlap too, since a restarted engine can happen to continue at exactly
+//!   the expected number.
 //! - **Unreadable messages** (wrong frame count, bad sequence frame, other topic, payload that
 //!   does not decode): counted in `decode_errors`, logged and skipped; when the sequence frame
 //!   is readable the sequence still advances, so no false gap follows.

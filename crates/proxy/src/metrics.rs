@@ -425,6 +425,7 @@ struct StateSeries {
     ev_replays_ok: Series,
     ev_unrec: Series,
     ev_resets: Series,
+    ev_repeats: Series,
     ev_decode: Series,
     discovery_ok: Series,
     discovery_error: Series,
@@ -514,6 +515,10 @@ impl StateSeries {
             ev_resets: Series::counter(
                 "kinference_event_stream_resets",
                 "Publisher restarts detected",
+            ),
+            ev_repeats: Series::counter(
+                "kinference_event_stream_repeats",
+                "Live event messages behind the stream that the publisher's replay proved to be copies (skipped, nothing cleared)",
             ),
             ev_decode: Series::counter(
                 "kinference_event_stream_decode_errors",
@@ -617,6 +622,7 @@ impl StateSeries {
             (&mut self.ev_replays_ok, h.replays_succeeded),
             (&mut self.ev_unrec, h.unrecoverable_gaps),
             (&mut self.ev_resets, h.resets),
+            (&mut self.ev_repeats, h.repeats),
             (&mut self.ev_decode, h.decode_errors),
         ];
         for (series, v) in counts {
@@ -647,6 +653,7 @@ impl StateSeries {
             &self.ev_replays_ok,
             &self.ev_unrec,
             &self.ev_resets,
+            &self.ev_repeats,
             &self.ev_unknown,
             &self.ev_decode,
             &self.discovery_ok,
