@@ -126,13 +126,9 @@ impl Picker {
         self.fleet.settings.max_body_bytes
     }
 
-    /// What the admin port's `/readyz` says: every pool has a replica up.
+    /// What the admin port's `/readyz` says (the same snapshot and rule).
     pub fn ready(&self) -> bool {
-        self.fleet.pools.iter().all(|p| {
-            p.replicas()
-                .iter()
-                .any(|r| r.health() == crate::api::Health::Up)
-        })
+        crate::snapshot::take(&self.fleet).readiness().ready
     }
 
     /// Counts a request the picker's caller answered with the router's own error without a
