@@ -18,13 +18,10 @@
 #   - the router's RSS and descriptors stayed under bounds (sampled every second).
 # A table of figures is printed; the exit status is 1 if a check failed.
 #
-# Status (2026-12-04): not in CI yet. Before the events fix (a replay with a hole after progress
-# is asked again from the hole, instead of clearing the worker) every 2-minute run failed
-# index = cache after the router restart; with it one 2-minute run passed every check with
-# drop faults on (CHAOS_DUP_PCT=0 CHAOS_REORDER_PCT=0; BENCHMARKS.md, "Chaos soak"). With
-# duplicate/reorder faults on, a repeated or older sequence number is still taken as a
-# publisher restart (clear + replay from 0): TCP never duplicates or reorders, so this is
-# left for when the soak needs it.
+# Status: in CI (short form, CHAOS_MINUTES=2, all faults on). A live sequence number that went
+# back (a duplicate, or a late message after a reorder) is checked against the publisher's
+# replay before anything is cleared (a copy is skipped and counted as a repeat), and a replay
+# cut short after progress is asked again from the hole (BENCHMARKS.md, "Chaos soak").
 #
 # usage: scripts/chaos.sh [BINARY]
 #   BINARY is a built `kinference`; without it `cargo build --release -p kinference` builds it.

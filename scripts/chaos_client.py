@@ -260,6 +260,7 @@ def settle(admin, fleet_file, out, a):
                 sync=ev.get("sync"),
                 gaps=ev.get("gaps"),
                 resets=ev.get("resets"),
+                repeats=ev.get("repeats"),
                 replays=ev.get("replays_succeeded"),
                 unrecoverable=ev.get("unrecoverable_gaps"),
                 scorable=rep.get("scorable"),
@@ -382,7 +383,8 @@ def report(results_file, chaos_file, samples_file, settle_file, a):
             same and caught and r.get("sync") in ("synced", "resynced"),
             f"router {r.get('router_entries')} / replica {r.get('sim_cached')} blocks; "
             f"applied {r.get('applied_seq')} / published {r.get('sim_published')}; {r.get('sync')}; "
-            f"gaps {r.get('gaps')} resets {r.get('resets')} replays {r.get('replays')} "
+            f"gaps {r.get('gaps')} resets {r.get('resets')} repeats {r.get('repeats')} "
+            f"replays {r.get('replays')} "
             f"unrecoverable {r.get('unrecoverable')}; flushes {r.get('flushes')}",
         )
     if samples:
