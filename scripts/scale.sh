@@ -15,6 +15,15 @@
 #                         "--scrape-idle-interval-ms 0" to scrape every replica every interval
 #      SCALE_REQUIRE_ALL  1: fail (exit 1) unless every replica was up and subscribed at every N
 #                         (the CI short form)
+#      SCALE_LOAD_REQUESTS  after the idle window, send this many completions through the router
+#                         (8 at a time, each prompt unique, max_tokens 8) and print a second
+#                         table: CPU per request of each process under load (default 0: none).
+#                         The simulator's cost should grow with requests, not with replicas.
+#      SCALE_KEEP         keep the work directory (logs) and print its path
+#      SCALE_CHURN        1: one more replica, in a simulator process of its own, beside the N;
+#                         after the idle window it is killed (SIGKILL) and started again on the
+#                         same ports, and a third table gives the milliseconds until the router
+#                         has it down, and up again (polling /debug/replicas).
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -34,11 +43,12 @@ source "$HERE/lib/proc.sh"
 source "$HERE/lib/net.sh"
 
 WORK=$(mktemp -d)
-SIM_PID="" ROUTER_PID=""
+SIM_PID="" ROUTER_PID="" CHURN_PID=""
 cleanup() {
   stop "$ROUTER_PID"
   stop "$SIM_PID"
-  rm -rf "$WORK"
+  stop "$CHURN_PID"
+  if [ -n "${SCALE_KEEP:-}" ]; then log "work directory kept: $WORK"; else rm -rf "$WORK"; fi
   return 0
 }
 trap cleanup EXIT
@@ -66,10 +76,32 @@ print(up, subscribed, len(reps), scrapes)
 PYEOF
 }
 
+# until_health ADMIN URL down|up T0: milliseconds from T0 (epoch seconds) until the router
+# reports the replica at URL in that state (up also needs its event stream connected again).
+until_health() {
+  python3 - "$@" <<'PYEOF'
+import json, sys, time, urllib.request
+admin, url, want, t0 = sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4])
+while time.time() < t0 + 60:
+    fleet = json.load(urllib.request.urlopen(f"{admin}/debug/replicas", timeout=10))
+    rep = next(r for p in fleet["pools"] for r in p["replicas"] if r["url"] == url)
+    connected = all(w["events"] and w["events"]["connected"] for w in rep["workers"])
+    if rep["health"] == want and (want == "down" or connected):
+        print(round(1000 * (time.time() - t0)))
+        sys.exit(0)
+    time.sleep(0.02)
+print("over 60000")
+PYEOF
+}
+
 echo "| replicas | router CPU idle (% of a core) | simulator CPU idle | scrapes per replica per s | router RSS MiB (KiB per replica) | simulator RSS MiB | up / subscribed / replicas |"
 echo "|---|---|---|---|---|---|---|"
 missing=0
+LOAD_ROWS="" CHURN_ROWS=""
 for n in $NS; do
+  # The files of the previous N go first: a reader started right after a launch could read
+  # them before the new process truncates them.
+  rm -f "$WORK/sim.out" "$WORK/router.err" "$WORK/churn.out"
   NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port 0 --replicas "$n" --model tiny \
     --tokenizer "$TOKENIZER" --block-size 16 --num-gpu-blocks 1024 --speedup 1000 \
     --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://*:0' \
@@ -81,13 +113,30 @@ for n in $NS; do
     url=$(field "$line" url) ev=$(field "$line" events) rp=$(field "$line" replay)
     flags+=(--replica "$url,events=$(dial "$ev"),replay=$(dial "$rp")")
   done < <(grep '^replica=' "$WORK/sim.out")
+  want=$n
+  if [ "${SCALE_CHURN:-0}" = 1 ]; then
+    read -r CP CE CR < <(free_ports 3)
+    CHURN_URL="http://127.0.0.1:$CP"
+    start_churn() {
+      rm -f "$WORK/churn.out"
+      NO_COLOR=1 "$BIN" sim --host 127.0.0.1 --port "$CP" --replicas 1 --model tiny \
+        --tokenizer "$TOKENIZER" --block-size 16 --num-gpu-blocks 1024 --speedup 1000 \
+        --events-endpoint "tcp://*:$CE" --replay-endpoint "tcp://*:$CR" \
+        >"$WORK/churn.out" 2>"$WORK/churn.err" &
+      CHURN_PID=$!
+      wait_sim_replicas "$WORK/churn.out" "$CHURN_PID" 1 60 || die "the churn replica did not start"
+    }
+    start_churn
+    flags+=(--replica "$CHURN_URL,events=tcp://127.0.0.1:$CE,replay=tcp://127.0.0.1:$CR")
+    want=$(( n + 1 ))
+  fi
   NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model tiny \
     --tokenizer "$TOKENIZER" --block-size 16 ${SCALE_ROUTER_ARGS:-} "${flags[@]}" \
     >"$WORK/router.out" 2>"$WORK/router.err" &
   ROUTER_PID=$!
-  read -r _ ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 60) ||
+  read -r DATA_ADDR ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 60) ||
     die "the router did not start"
-  if ! wait_router_ready "http://$ADMIN_ADDR" "$ROUTER_PID" "$n" "$READY" 2>"$WORK/ready.err"; then
+  if ! wait_router_ready "http://$ADMIN_ADDR" "$ROUTER_PID" "$want" "$READY" 2>"$WORK/ready.err"; then
     log "n=$n: not every replica up and subscribed within ${READY}s (measuring anyway)"
   fi
   read -r _ _ _ scrapes0 < <(fleet_state "http://$ADMIN_ADDR")
@@ -100,12 +149,64 @@ for n in $NS; do
   rss=$(rss_mib "$ROUTER_PID")
   per=$(awk -v m="$rss" -v n="$n" 'BEGIN {printf "%.0f", m * 1024 / n}')
   echo "| $n | $(pct $(( r1 - r0 ))) | $(pct $(( s1 - s0 ))) | $rate | $rss ($per) | $(rss_mib "$SIM_PID") | $up / $subscribed / $total |"
-  if [ "$up" -ne "$n" ] || [ "$subscribed" -ne "$n" ] || [ "$total" -ne "$n" ]; then
+  if [ "$up" -ne "$want" ] || [ "$subscribed" -ne "$want" ] || [ "$total" -ne "$want" ]; then
     missing=1
+  fi
+  if [ "${SCALE_LOAD_REQUESTS:-0}" -gt 0 ]; then
+    r0=$(ticks "$ROUTER_PID") s0=$(ticks "$SIM_PID") t0=$(date +%s.%N)
+    ok=$(python3 - "$DATA_ADDR" "$SCALE_LOAD_REQUESTS" <<'PYEOF'
+import http.client, json, sys, threading
+addr, total = sys.argv[1], int(sys.argv[2])
+host, port = addr.rsplit(":", 1)
+lock, counts, nxt = threading.Lock(), {"ok": 0}, iter(range(total))
+def worker():
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    while True:
+        with lock:
+            i = next(nxt, None)
+        if i is None:
+            return
+        body = json.dumps({"model": "tiny", "prompt": f"Request {i}: a short note on fleets.", "max_tokens": 8})
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        if resp.status == 200:
+            with lock:
+                counts["ok"] += 1
+threads = [threading.Thread(target=worker) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(counts["ok"])
+PYEOF
+    )
+    r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID") t1=$(date +%s.%N)
+    per_req() { awk -v d="$1" -v t="$TCK" -v n="$ok" 'BEGIN {printf "%.3f", n ? 1000 * d / t / n : 0}'; }
+    LOAD_ROWS+="| $n | $ok / $SCALE_LOAD_REQUESTS | $(awk -v a="$t0" -v b="$t1" -v n="$ok" 'BEGIN {printf "%.0f", n / (b - a)}') | $(per_req $(( r1 - r0 ))) | $(per_req $(( s1 - s0 ))) |"$'\n'
+  fi
+  if [ "${SCALE_CHURN:-0}" = 1 ]; then
+    kill -9 "$CHURN_PID"; wait "$CHURN_PID" 2>/dev/null || true
+    down_ms=$(until_health "http://$ADMIN_ADDR" "$CHURN_URL" down "$(date +%s.%N)")
+    up_at=$(date +%s.%N)
+    start_churn
+    up_ms=$(until_health "http://$ADMIN_ADDR" "$CHURN_URL" up "$up_at")
+    CHURN_ROWS+="| $n + 1 | $down_ms | $up_ms |"$'\n'
+    stop "$CHURN_PID"; CHURN_PID=""
   fi
   stop "$ROUTER_PID"; ROUTER_PID=""
   stop "$SIM_PID"; SIM_PID=""
 done
+if [ -n "$LOAD_ROWS" ]; then
+  echo
+  echo "| replicas | completions ok | requests/s | router CPU ms per request | simulator CPU ms per request |"
+  echo "|---|---|---|---|---|"
+  printf '%s' "$LOAD_ROWS"
+fi
+if [ -n "$CHURN_ROWS" ]; then
+  echo
+  echo "| replicas | killed -> router has it down (ms) | started -> router has it up and subscribed (ms) |"
+  echo "|---|---|---|"
+  printf '%s' "$CHURN_ROWS"
+fi
 if [ "${SCALE_REQUIRE_ALL:-0}" = 1 ] && [ "$missing" = 1 ]; then
   die "not every replica was up and subscribed (SCALE_REQUIRE_ALL=1)"
 fi

@@ -78,6 +78,8 @@ cap=$(( (H1 > H2 ? H1 : H2) + 100 ))
 # A fresh router per run, so that each run's RSS starts from a router that held no stream.
 start_router() {
   stop "$ROUTER_PID"
+  # The last router's log goes first: router_addrs could read it before the new one truncates it.
+  rm -f "$WORK/router.err"
   NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model tiny \
     --tokenizer "$TOKENIZER" --block-size 16 --max-connections "$cap" --max-in-flight "$cap" \
     "${flags[@]}" >"$WORK/router.out" 2>"$WORK/router.err" &
