@@ -21,6 +21,10 @@ pub const CONDITION_READY: &str = "Ready";
 /// Condition type: the replicas' KV events agree with the configured hashing (block size,
 /// algorithm, seed), so cached-prefix predictions can be trusted.
 pub const CONDITION_HASHING_VERIFIED: &str = "HashingVerified";
+/// Condition type: the router routes with this generation of the spec (`False`: the spec
+/// cannot be applied, and the router routes with the last one that could, whose generation is
+/// `status.observedGeneration`).
+pub const CONDITION_ACCEPTED: &str = "Accepted";
 
 /// How kinference routes one `InferencePool`'s pods: policy, tokenizer, the hashing the vLLM
 /// pods run with, and where their KV events are.
@@ -48,6 +52,12 @@ pub const CONDITION_HASHING_VERIFIED: &str = "HashingVerified";
         name = "Hashing",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"HashingVerified\")].status"
+    ),
+    printcolumn(
+        name = "Accepted",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status",
+        description = "whether the router routes with this generation of the spec"
     ),
     printcolumn(name = "Replicas", type_ = "integer", json_path = ".status.replicas"),
     printcolumn(
@@ -207,10 +217,11 @@ pub struct EventsSettings {
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KinferencePoolStatus {
-    /// The `metadata.generation` of the spec this status describes.
+    /// The `metadata.generation` of the spec the router routes with (the last one it could
+    /// apply; a later one it could not is `Accepted` `False`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready` and `HashingVerified`.
+    /// `Ready`, `HashingVerified` and `Accepted`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,

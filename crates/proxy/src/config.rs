@@ -1072,6 +1072,16 @@ fn resolve_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) -> Option<Res
     (errs.0.len() == before).then_some(ResolvedReplica { endpoint, events })
 }
 
+/// One pool resolved on its own, as `pools[i]` of a file would be: a running pool's new
+/// settings ([`crate::PoolMembers::reconfigure`]). Errors are at `pool.FIELD`.
+pub(crate) fn resolve_one_pool(pool: &PoolConfig) -> Result<ResolvedPool, ConfigErrors> {
+    let mut errs = Errors(Vec::new());
+    match resolve_pool(pool, "pool", &mut errs) {
+        Some(rp) if errs.0.is_empty() => Ok(rp),
+        _ => Err(ConfigErrors(errs.0)),
+    }
+}
+
 /// One replica resolved on its own: a discovered pool's joiner, validated as a configured
 /// replica would be.
 pub(crate) fn resolve_one(r: &ReplicaSpec) -> Result<ResolvedReplica, ConfigErrors> {
