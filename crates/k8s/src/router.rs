@@ -147,8 +147,13 @@ fn events_spec(source: &EventSource) -> EventsSpec {
             topic: topic.clone(),
             ..EventsSpec::default()
         },
-        EventSource::Bind { endpoint, topic } => EventsSpec {
+        EventSource::Bind {
+            endpoint,
+            replay,
+            topic,
+        } => EventsSpec {
             bind: Some(endpoint.clone()),
+            replay: replay.clone(),
             topic: topic.clone(),
             ..EventsSpec::default()
         },
