@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use kinference_proxy::api::{Health, PoolStatus};
-use kinference_proxy::{EventsSpec, PoolMembers, ReconfigureError, ReplicaSpec};
+use kinference_proxy::{EventsSpec, PoolMembers, ReconfigureError, ReplicaSpec, UpstreamProtocol};
 use kube::Client;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -61,20 +61,8 @@ pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
     let status = tokio::spawn(write_status(writer, members.clone(), rx.clone(), spec_rx));
     let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
     let mut reported: Option<String> = None;
-    let mut h2c_noted = false;
     loop {
         let snap = rx.borrow_and_update().clone();
-        if !h2c_noted
-            && snap
-                .endpoints
-                .values()
-                .any(|e| e.protocol == AppProtocol::H2c)
-        {
-            // Not implemented: requests to replicas are HTTP/1.1 (what vLLM serves).
-            tracing::warn!(pool = %members.name(), inference_pool = %snap.pool,
-                "spec.appProtocol kubernetes.io/h2c: the router speaks HTTP/1.1 to the pods");
-            h2c_noted = true;
-        }
         apply(&members, &mut held, &snap).await;
         report_state(&members, &snap, &mut reported);
         apply_spec(&members, snap.routing.as_ref(), &spec_tx).await;
@@ -112,14 +100,19 @@ async fn apply(members: &PoolMembers, held: &mut BTreeMap<String, Endpoint>, sna
     }
 }
 
-/// The router's replicas for one pod: one per target port; the pod's event source goes with
-/// the first, the others ask their own server.
+/// The router's replicas for one pod: one per target port, spoken to in the pool's
+/// `appProtocol`; the pod's event source goes with the first, the others ask their own server.
 pub fn replica_specs(e: &Endpoint) -> Vec<ReplicaSpec> {
+    let protocol = match e.protocol {
+        AppProtocol::Http => UpstreamProtocol::Http,
+        AppProtocol::H2c => UpstreamProtocol::H2c,
+    };
     e.urls
         .iter()
         .enumerate()
         .map(|(i, url)| {
             let mut r = ReplicaSpec::new(url);
+            r.protocol = protocol;
             let source = if i == 0 {
                 &e.events
             } else {
@@ -579,5 +572,13 @@ mod tests {
         assert_eq!(first.connect.as_deref(), Some("tcp://10.0.0.5:5557"));
         assert_eq!(first.topic, "kv");
         assert!(specs[1].events.as_ref().is_some_and(|e| e.discover));
+        assert!(specs.iter().all(|s| s.protocol == UpstreamProtocol::Http));
+        let h2c = Endpoint {
+            protocol: AppProtocol::H2c,
+            ..e
+        };
+        assert!(replica_specs(&h2c)
+            .iter()
+            .all(|s| s.protocol == UpstreamProtocol::H2c));
     }
 }
