@@ -217,12 +217,16 @@ async fn apply_spec(
             }
         }
         Err((reason, message)) => {
-            // The last generation applied stands, if it was this object's.
-            let applied = previous.filter(|(name, _)| *name == r.name);
-            let kept = match &applied {
-                Some((_, Some(g))) => format!("generation {g}"),
-                _ => "the router's own settings".to_owned(),
+            let kept = match &previous {
+                Some((name, Some(g))) if *name == r.name => format!("generation {g}"),
+                Some((name, g)) => format!(
+                    "KinferencePool {name}'s generation {}",
+                    g.unwrap_or_default()
+                ),
+                None => "the router's own settings".to_owned(),
             };
+            // status.observedGeneration is this object's: another's generation says nothing.
+            let applied = previous.filter(|(name, _)| *name == r.name);
             tracing::error!(pool = %members.name(), kinference_pool = %r.name, generation,
                 reason, error = %message,
                 "the KinferencePool's spec cannot be applied; the pool keeps routing with its last settings");
