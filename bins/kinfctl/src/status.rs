@@ -226,6 +226,12 @@ fn render_pool(out: &mut String, pool: &PoolStatus) {
     );
     if let Some(d) = &pool.discovery {
         let _ = writeln!(out, "  {}", discovery_line(d));
+        if let Some(e) = &d.settings_error {
+            let _ = writeln!(
+                out,
+                "  settings NOT APPLIED: {e}; routing with the last settings applied"
+            );
+        }
     }
     let mut rows = vec![[
         "REPLICA",

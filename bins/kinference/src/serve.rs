@@ -57,7 +57,7 @@ pub struct ServeArgs {
         long = "replica",
         env = "KINFERENCE_REPLICAS",
         value_delimiter = ';',
-        help = "One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N]. Repeat for each replica (';' separates them in KINFERENCE_REPLICAS)"
+        help = "One-pool fleet: a replica, URL[,events=tcp://H:P|discover][,bind=tcp://H:P][,replay=tcp://H:P][,topic=T][,dp=N][,protocol=http|h2c]. Repeat for each replica (';' separates them in KINFERENCE_REPLICAS)"
     )]
     replicas: Vec<String>,
     /// One-pool fleet on Kubernetes: the InferencePool whose ready pods are the replicas

@@ -16,11 +16,20 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 
+/// In `spec.events.topic`: the pod's IP.
+pub const TOPIC_HOST: &str = "{host}";
+/// In `spec.events.topic`: the first of `spec.models`.
+pub const TOPIC_MODEL: &str = "{model}";
+
 /// Condition type: the router has endpoints to route to and reads the pool without error.
 pub const CONDITION_READY: &str = "Ready";
 /// Condition type: the replicas' KV events agree with the configured hashing (block size,
 /// algorithm, seed), so cached-prefix predictions can be trusted.
 pub const CONDITION_HASHING_VERIFIED: &str = "HashingVerified";
+/// Condition type: the router routes with this generation of the spec (`False`: the spec
+/// cannot be applied, and the router routes with the last one that could, whose generation is
+/// `status.observedGeneration`).
+pub const CONDITION_ACCEPTED: &str = "Accepted";
 
 /// How kinference routes one `InferencePool`'s pods: policy, tokenizer, the hashing the vLLM
 /// pods run with, and where their KV events are.
@@ -48,6 +57,12 @@ pub const CONDITION_HASHING_VERIFIED: &str = "HashingVerified";
         name = "Hashing",
         type_ = "string",
         json_path = ".status.conditions[?(@.type==\"HashingVerified\")].status"
+    ),
+    printcolumn(
+        name = "Accepted",
+        type_ = "string",
+        json_path = ".status.conditions[?(@.type==\"Accepted\")].status",
+        description = "whether the router routes with this generation of the spec"
     ),
     printcolumn(name = "Replicas", type_ = "integer", json_path = ".status.replicas"),
     printcolumn(
@@ -191,14 +206,18 @@ pub struct EventsSettings {
     /// Every pod publishes on this port of its own IP (vLLM `endpoint: tcp://*:PORT`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<u16>,
-    /// Every pod's replay ROUTER port (vLLM `replay_endpoint: tcp://*:PORT`).
+    /// Every pod's replay ROUTER port (vLLM `replay_endpoint: tcp://*:PORT`), with `port` or
+    /// `bind`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replay_port: Option<u16>,
     /// The router binds this endpoint and every pod's publisher connects to it (vLLM
-    /// `endpoint: tcp://ROUTER:PORT`), e.g. `tcp://0.0.0.0:5557`. Exclusive with `port`.
+    /// `endpoint: tcp://ROUTER:PORT`), e.g. `tcp://0.0.0.0:5557`; the pods are told apart by
+    /// topic, so `topic` must contain `{host}`. Exclusive with `port`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bind: Option<String>,
-    /// vLLM's `topic` (default empty).
+    /// vLLM's `topic` (default empty). `{host}` stands for each pod's IP and `{model}` for the
+    /// first of `models` (llm-d's convention: `kv@{host}@{model}`, the pod running with
+    /// `"topic": "kv@$(POD_IP)@MODEL"`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub topic: Option<String>,
 }
@@ -207,10 +226,11 @@ pub struct EventsSettings {
 #[derive(Clone, Debug, Default, PartialEq, Deserialize, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct KinferencePoolStatus {
-    /// The `metadata.generation` of the spec this status describes.
+    /// The `metadata.generation` of the spec the router routes with (the last one it could
+    /// apply; a later one it could not is `Accepted` `False`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
-    /// `Ready` and `HashingVerified`.
+    /// `Ready`, `HashingVerified` and `Accepted`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     #[schemars(extend("x-kubernetes-list-type" = "map", "x-kubernetes-list-map-keys" = ["type"]))]
     pub conditions: Vec<Condition>,
@@ -255,7 +275,25 @@ impl KinferencePoolSpec {
         if self.events.bind.is_some() && self.events.port.is_some() {
             errs.push("events: set either bind (pods connect to the router) or port (the router dials each pod), not both".to_owned());
         }
+        let per_pod = self
+            .events
+            .topic
+            .as_deref()
+            .is_some_and(|t| t.contains(TOPIC_HOST));
+        if self.events.bind.is_some() && !per_pod {
+            errs.push(format!("events.topic: with bind, every pod publishes to one endpoint and is told apart by its topic: include {TOPIC_HOST} (its IP), e.g. kv@{TOPIC_HOST}@{TOPIC_MODEL}"));
+        }
         errs
+    }
+
+    /// `events` as the pods' event sources are computed from it: `{model}` in the topic
+    /// replaced by the first model (`{host}` is each pod's, see `snapshot`).
+    pub fn pod_events(&self) -> EventsSettings {
+        let mut e = self.events.clone();
+        if let (Some(t), Some(m)) = (&mut e.topic, self.models.first()) {
+            *t = t.replace(TOPIC_MODEL, m);
+        }
+        e
     }
 }
 
@@ -402,7 +440,13 @@ mod tests {
         both.events.bind = Some("tcp://0.0.0.0:5557".into());
         both.hashing = bad;
         let errs = both.validate();
-        assert_eq!(errs.len(), 2, "{errs:?}");
+        assert_eq!(errs.len(), 3, "{errs:?}");
+        assert!(errs[2].contains("{host}"), "{errs:?}");
+        let mut shared = spec.clone();
+        shared.events.bind = Some("tcp://0.0.0.0:5557".into());
+        shared.events.topic = Some("kv@{host}@{model}".into());
+        assert!(shared.validate().is_empty());
+        assert_eq!(shared.pod_events().topic.as_deref(), Some("kv@{host}@m"));
     }
 
     #[test]

@@ -8,9 +8,10 @@
 //! - [`crd`]: our `kinference.io/v1alpha1` API, generated from these Rust types
 //!   (`kinference crdgen`; the chart's copies are checked against it by a test).
 //! - [`router`]: the router's side, one task per discovered pool applying each snapshot's
-//!   diff to the router's live fleet and writing the `KinferencePool` status.
-//! - [`settings`]: a `KinferencePool`'s policy, tokenizer and hashing applied to its pool at
-//!   the router's start (they win over the router's own settings).
+//!   diff to the router's live fleet, applying each new generation of the `KinferencePool`'s
+//!   spec to the running pool, and writing the `KinferencePool` status.
+//! - [`settings`]: a `KinferencePool`'s policy, tokenizer and hashing applied to its pool, at
+//!   the router's start and live (they win over the router's own settings).
 //! - [`status::StatusWriter`]: the router's report, by server-side apply with one field manager
 //!   (why one, and not a Lease: see that module).
 //!

@@ -1,7 +1,16 @@
 //! The router's side of discovery: one task per discovered pool follows the pool's
 //! [`PoolWatcher`], applies the [`diff`](crate::diff) of each new snapshot to the router's
-//! [`PoolMembers`], reports whether the pool can be read, and writes the status of the
-//! `KinferencePool` naming it.
+//! [`PoolMembers`], applies each new generation of the `KinferencePool` naming it (policy,
+//! tokenizer, hashing: [`PoolMembers::reconfigure`]), reports whether the pool can be read,
+//! and writes the `KinferencePool`'s status.
+//!
+//! A spec generation is applied, or refused, once: a spec that is invalid or whose tokenizer
+//! cannot be loaded leaves the pool on the last settings applied, logged as an error, shown in
+//! `/debug/replicas` and `kinference_pool_settings_error`, and reported as the `Accepted`
+//! condition `False`; `status.observedGeneration` is the generation applied. The status is
+//! written only once the generation it describes has been judged, so it never reports a spec
+//! the router has not acted on yet. A `KinferencePool` that goes away leaves the settings as
+//! they are (the router's own were replaced at start or by a later generation).
 //!
 //! Invariants: leavers are removed before joiners are added, so a pod that changed its IP is
 //! never routed at both addresses; a member that cannot join is logged and left out until the
@@ -14,13 +23,14 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use kinference_proxy::api::{Health, PoolStatus};
-use kinference_proxy::{EventsSpec, PoolMembers, ReplicaSpec};
+use kinference_proxy::{EventsSpec, PoolMembers, ReconfigureError, ReplicaSpec, UpstreamProtocol};
 use kube::Client;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::crd::Hashing;
 use crate::snapshot::{
-    diff_endpoints, AppProtocol, Endpoint, EventSource, PoolSnapshot, PoolState,
+    diff_endpoints, AppProtocol, Endpoint, EventSource, PoolSnapshot, PoolState, Routing,
 };
 use crate::status::{StatusReport, StatusWriter, Verdict};
 use crate::watch::{PoolWatcher, WatchConfig};
@@ -46,28 +56,16 @@ pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
     let writer = StatusWriter::new(client.clone(), &cfg.namespace);
     let watcher = PoolWatcher::start(client, cfg);
     let mut rx = watcher.subscribe();
+    let (spec_tx, spec_rx) = watch::channel(SpecState::default());
     // Its own task: a slow or unreachable API server must not hold back membership changes.
-    let status = tokio::spawn(write_status(writer, members.clone(), rx.clone()));
+    let status = tokio::spawn(write_status(writer, members.clone(), rx.clone(), spec_rx));
     let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
     let mut reported: Option<String> = None;
-    let mut generation = None;
-    let mut h2c_noted = false;
     loop {
         let snap = rx.borrow_and_update().clone();
-        if !h2c_noted
-            && snap
-                .endpoints
-                .values()
-                .any(|e| e.protocol == AppProtocol::H2c)
-        {
-            // Not implemented: requests to replicas are HTTP/1.1 (what vLLM serves).
-            tracing::warn!(pool = %members.name(), inference_pool = %snap.pool,
-                "spec.appProtocol kubernetes.io/h2c: the router speaks HTTP/1.1 to the pods");
-            h2c_noted = true;
-        }
         apply(&members, &mut held, &snap).await;
         report_state(&members, &snap, &mut reported);
-        note_spec_change(&members, &snap, &mut generation);
+        apply_spec(&members, snap.routing.as_ref(), &spec_tx).await;
         if rx.changed().await.is_err() {
             break;
         }
@@ -102,14 +100,19 @@ async fn apply(members: &PoolMembers, held: &mut BTreeMap<String, Endpoint>, sna
     }
 }
 
-/// The router's replicas for one pod: one per target port; the pod's event source goes with
-/// the first, the others ask their own server.
+/// The router's replicas for one pod: one per target port, spoken to in the pool's
+/// `appProtocol`; the pod's event source goes with the first, the others ask their own server.
 pub fn replica_specs(e: &Endpoint) -> Vec<ReplicaSpec> {
+    let protocol = match e.protocol {
+        AppProtocol::Http => UpstreamProtocol::Http,
+        AppProtocol::H2c => UpstreamProtocol::H2c,
+    };
     e.urls
         .iter()
         .enumerate()
         .map(|(i, url)| {
             let mut r = ReplicaSpec::new(url);
+            r.protocol = protocol;
             let source = if i == 0 {
                 &e.events
             } else {
@@ -137,24 +140,111 @@ fn events_spec(source: &EventSource) -> EventsSpec {
             topic: topic.clone(),
             ..EventsSpec::default()
         },
-        EventSource::Bind { endpoint, topic } => EventsSpec {
+        EventSource::Bind {
+            endpoint,
+            replay,
+            topic,
+        } => EventsSpec {
             bind: Some(endpoint.clone()),
+            replay: replay.clone(),
             topic: topic.clone(),
             ..EventsSpec::default()
         },
     }
 }
 
-/// Logs a `KinferencePool` spec that changed after the router started: its policy, tokenizer
-/// and hashing were applied at start ([`crate::settings`]) and need a restart to change.
-fn note_spec_change(members: &PoolMembers, snap: &PoolSnapshot, seen: &mut Option<i64>) {
-    let Some(r) = &snap.routing else { return };
-    let Some(g) = r.generation else { return };
-    if seen.is_some_and(|s| s != g) {
-        tracing::warn!(pool = %members.name(), kinference_pool = %r.name, generation = g,
-            "the KinferencePool's spec changed; its policy, tokenizer and hashing apply when the router restarts");
+/// Where the pool's `KinferencePool` spec stands, for the status.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecState {
+    /// The `KinferencePool` (name, generation) last applied or refused.
+    pub judged: Option<(String, Option<i64>)>,
+    /// The one whose spec the pool routes with.
+    pub applied: Option<(String, Option<i64>)>,
+    /// The `Accepted` condition for `judged`.
+    pub accepted: Option<Verdict>,
+}
+
+/// Applies a `KinferencePool` generation not judged yet: its policy, tokenizer and hashing
+/// replace the pool's settings, or, when they cannot, the pool keeps its settings and the
+/// refusal is logged and reported.
+async fn apply_spec(
+    members: &PoolMembers,
+    routing: Option<&Routing>,
+    state: &watch::Sender<SpecState>,
+) {
+    let Some(r) = routing else {
+        if state.borrow().judged.is_some() {
+            tracing::info!(pool = %members.name(),
+                "no KinferencePool names the InferencePool any more; the pool keeps the settings it routes with");
+            members.set_settings_error(None);
+            state.send_replace(SpecState::default());
+        }
+        return;
+    };
+    let key = (r.name.clone(), r.generation);
+    if state.borrow().judged.as_ref() == Some(&key) {
+        return;
     }
-    *seen = Some(g);
+    let generation = r.generation.unwrap_or_default();
+    let mut settings = members.settings();
+    let outcome = match crate::settings::overlay(&mut settings, &r.spec) {
+        Err(errors) => Err(("InvalidSpec", errors.join("; "))),
+        Ok(_) => members.reconfigure(&settings).await.map_err(|e| {
+            let reason = match e {
+                ReconfigureError::Config(_) => "InvalidSpec",
+                ReconfigureError::Tokenizer { .. } | ReconfigureError::Task { .. } => {
+                    "TokenizerNotLoaded"
+                }
+            };
+            (reason, e.to_string())
+        }),
+    };
+    let previous = state.borrow().applied.clone();
+    let next = match outcome {
+        Ok(changed) => {
+            if !changed.is_empty() {
+                tracing::info!(pool = %members.name(), kinference_pool = %r.name, generation,
+                    ?changed, "routing with the KinferencePool's new policy, tokenizer and hashing");
+            }
+            members.set_settings_error(None);
+            SpecState {
+                judged: Some(key.clone()),
+                applied: Some(key),
+                accepted: Some(Verdict::True {
+                    reason: "Applied".into(),
+                    message: format!("the router routes with generation {generation}"),
+                }),
+            }
+        }
+        Err((reason, message)) => {
+            let kept = match &previous {
+                Some((name, Some(g))) if *name == r.name => format!("generation {g}"),
+                Some((name, g)) => format!(
+                    "KinferencePool {name}'s generation {}",
+                    g.unwrap_or_default()
+                ),
+                None => "the router's own settings".to_owned(),
+            };
+            // status.observedGeneration is this object's: another's generation says nothing.
+            let applied = previous.filter(|(name, _)| *name == r.name);
+            tracing::error!(pool = %members.name(), kinference_pool = %r.name, generation,
+                reason, error = %message,
+                "the KinferencePool's spec cannot be applied; the pool keeps routing with its last settings");
+            members.set_settings_error(Some(format!(
+                "KinferencePool {} generation {generation}: {message}",
+                r.name
+            )));
+            SpecState {
+                judged: Some(key),
+                applied,
+                accepted: Some(Verdict::False {
+                    reason: reason.into(),
+                    message: format!("{message}; routing with {kept}"),
+                }),
+            }
+        }
+    };
+    state.send_replace(next);
 }
 
 /// Tells the router whether the pool can be read, logging each change once.
@@ -186,7 +276,8 @@ fn report_state(members: &PoolMembers, snap: &PoolSnapshot, reported: &mut Optio
 async fn write_status(
     writer: StatusWriter,
     members: PoolMembers,
-    mut rx: tokio::sync::watch::Receiver<PoolSnapshot>,
+    mut rx: watch::Receiver<PoolSnapshot>,
+    mut spec: watch::Receiver<SpecState>,
 ) {
     let mut tick = tokio::time::interval(STATUS_INTERVAL);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -194,16 +285,26 @@ async fn write_status(
     loop {
         tokio::select! {
             changed = rx.changed() => if changed.is_err() { return },
+            changed = spec.changed() => if changed.is_err() { return },
             _ = tick.tick() => {}
         }
         let snap = rx.borrow_and_update().clone();
+        let judged = spec.borrow_and_update().clone();
         let Some(routing) = &snap.routing else {
+            continue;
+        };
+        let key = (routing.name.clone(), routing.generation);
+        let Some(accepted) = judged.accepted.filter(|_| judged.judged == Some(key)) else {
+            // The pool task has not acted on this generation yet; it says when it has.
             continue;
         };
         let pool = members.status();
         let predicted = window.update(&pool);
         let mut report = report_for(&pool, &snap.state, Some(&routing.spec.hashing));
         report.predicted_hit_rate = predicted;
+        report.accepted = accepted;
+        report.generation = routing.generation;
+        report.applied_generation = judged.applied.and_then(|(_, g)| g);
         let now = k8s_openapi::jiff::Timestamp::now();
         if let Err(e) = writer.apply(&routing.name, &report, now).await {
             tracing::warn!(pool = %members.name(), kinference_pool = %routing.name, error = %e,
@@ -255,7 +356,7 @@ fn hashing_differs(pool: &PoolStatus, declared: &Hashing) -> Option<String> {
     }
     (!why.is_empty()).then(|| {
         format!(
-            "{}; the router applies the KinferencePool's spec at start: restart it",
+            "{}; the spec is not applied (see the Accepted condition)",
             why.join("; ")
         )
     })
@@ -326,6 +427,12 @@ pub fn report_for(
     StatusReport {
         ready,
         hashing_verified,
+        accepted: Verdict::Unknown {
+            reason: "NotJudged".into(),
+            message: "the router has not acted on this spec yet".into(),
+        },
+        generation: None,
+        applied_generation: None,
         replicas: i32::try_from(total).unwrap_or(i32::MAX),
         scorable_replicas: i32::try_from(scorable).unwrap_or(i32::MAX),
         predicted_hit_rate: None,
@@ -469,5 +576,13 @@ mod tests {
         assert_eq!(first.connect.as_deref(), Some("tcp://10.0.0.5:5557"));
         assert_eq!(first.topic, "kv");
         assert!(specs[1].events.as_ref().is_some_and(|e| e.discover));
+        assert!(specs.iter().all(|s| s.protocol == UpstreamProtocol::Http));
+        let h2c = Endpoint {
+            protocol: AppProtocol::H2c,
+            ..e
+        };
+        assert!(replica_specs(&h2c)
+            .iter()
+            .all(|s| s.protocol == UpstreamProtocol::H2c));
     }
 }

@@ -1,15 +1,17 @@
-//! A `KinferencePool`'s spec applied to the router's pool at start: when one names the
-//! `InferencePool` a pool is discovered from, its policy (kind and weights, session header),
-//! tokenizer path and hashing (block size, algorithm, seed) replace what the router's flags or
-//! config file say for that pool.
+//! A `KinferencePool`'s spec applied to the router's pool: when one names the `InferencePool`
+//! a pool is discovered from, its policy (kind and weights, session header), tokenizer path
+//! and hashing (block size, algorithm, seed) replace what the router's flags or config file
+//! say for that pool, at start ([`apply_to_pools`]) and for each later generation of the spec
+//! while the router runs (`router`, through [`overlay`]).
 //!
 //! Invariants: the cluster's object wins over the router's own settings, because it is what
 //! the operator declared for the pods; the router's settings are the fallback when no
 //! `KinferencePool` names the pool, when it cannot be read (RBAC, CRD missing, API server
 //! down) or when its spec is invalid; each of these is logged and never stops the router.
 //! The `KinferencePool` chosen is the watcher's: the first by name whose `poolRef` is the pool.
-//! A spec changed while the router runs is not applied (the tokenizer, hasher and policy are
-//! built once per pool); the status says a restart is needed (see `router`).
+//! A spec changed while the router runs is applied live by `router` (the pool's tokenizer,
+//! hasher and policy are replaced whole); one that cannot be applied leaves the pool on its last
+//! settings and is reported in the status (`Accepted` `False`).
 
 use kinference_proxy::PoolConfig;
 use kube::api::ListParams;

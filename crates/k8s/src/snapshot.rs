@@ -45,8 +45,13 @@ pub enum EventSource {
         replay: Option<String>,
         topic: String,
     },
-    /// The publisher connects to this address, which the router binds (shared by the pool).
-    Bind { endpoint: String, topic: String },
+    /// The publisher connects to this address, which the router binds (shared by the pool,
+    /// each pod told apart by its topic), with an optional replay ROUTER on the pod.
+    Bind {
+        endpoint: String,
+        replay: Option<String>,
+        topic: String,
+    },
 }
 
 /// One ready pod of the pool.
@@ -229,13 +234,17 @@ fn at_pod(endpoint: &str, ip: IpAddr) -> String {
     endpoint.to_owned()
 }
 
-/// Precedence: the pod's annotation, then the pool's `events` settings, then discovery.
+/// Precedence: the pod's annotation, then the pool's `events` settings, then discovery. The
+/// topic's `{host}` is the pod's IP.
 fn event_source(
     ip: IpAddr,
     annotations: &BTreeMap<String, String>,
     pool: Option<&EventsSettings>,
 ) -> EventSource {
-    let topic = pool.and_then(|e| e.topic.clone()).unwrap_or_default();
+    let topic = pool
+        .and_then(|e| e.topic.as_deref())
+        .map(|t| t.replace(crate::crd::TOPIC_HOST, &ip.to_string()))
+        .unwrap_or_default();
     if let Some(ep) = annotations.get(ANNOTATION_KV_EVENTS) {
         return EventSource::Connect {
             endpoint: at_pod(ep.trim(), ip),
@@ -251,6 +260,9 @@ fn event_source(
     if let Some(bind) = &settings.bind {
         return EventSource::Bind {
             endpoint: bind.clone(),
+            replay: settings
+                .replay_port
+                .map(|p| format!("tcp://{}:{p}", host(ip))),
             topic,
         };
     }
@@ -442,6 +454,8 @@ mod tests {
         );
         let shared = EventsSettings {
             bind: Some("tcp://0.0.0.0:5557".into()),
+            replay_port: Some(5558),
+            topic: Some("kv@{host}@m".into()),
             ..EventsSettings::default()
         };
         let eps = endpoints(&pool(&[8000], None), [&plain], Some(&shared)).unwrap();
@@ -449,7 +463,8 @@ mod tests {
             eps["b"].events,
             EventSource::Bind {
                 endpoint: "tcp://0.0.0.0:5557".into(),
-                topic: String::new()
+                replay: Some("tcp://127.0.0.12:5558".into()),
+                topic: "kv@127.0.0.12@m".into()
             }
         );
     }

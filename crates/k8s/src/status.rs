@@ -19,7 +19,8 @@ use kube::{Api, Client};
 use serde_json::json;
 
 use crate::crd::{
-    HitRate, KinferencePool, KinferencePoolStatus, CONDITION_HASHING_VERIFIED, CONDITION_READY,
+    HitRate, KinferencePool, KinferencePoolStatus, CONDITION_ACCEPTED, CONDITION_HASHING_VERIFIED,
+    CONDITION_READY,
 };
 
 /// The one field manager of every router replica.
@@ -38,6 +39,13 @@ pub enum Verdict {
 pub struct StatusReport {
     pub ready: Verdict,
     pub hashing_verified: Verdict,
+    /// Whether the router routes with the spec of `generation`.
+    pub accepted: Verdict,
+    /// The generation the conditions were judged against (the conditions'
+    /// `observedGeneration`); `None`: the object's own.
+    pub generation: Option<i64>,
+    /// The generation whose spec the router routes with (`status.observedGeneration`), if any.
+    pub applied_generation: Option<i64>,
     pub replicas: i32,
     pub scorable_replicas: i32,
     pub predicted_hit_rate: Option<f64>,
@@ -112,7 +120,7 @@ pub fn status_for(
     report: &StatusReport,
     now: Timestamp,
 ) -> KinferencePoolStatus {
-    let generation = current.metadata.generation;
+    let generation = report.generation.or(current.metadata.generation);
     let old = current
         .status
         .as_ref()
@@ -121,6 +129,7 @@ pub fn status_for(
     let conditions = [
         (CONDITION_READY, &report.ready),
         (CONDITION_HASHING_VERIFIED, &report.hashing_verified),
+        (CONDITION_ACCEPTED, &report.accepted),
     ]
     .into_iter()
     .map(|(ty, v)| condition(old, ty, v, generation, now))
@@ -131,7 +140,7 @@ pub fn status_for(
             reported: report.reported_hit_rate.map(round4),
         });
     KinferencePoolStatus {
-        observed_generation: generation,
+        observed_generation: report.applied_generation,
         conditions,
         replicas: Some(report.replicas),
         scorable_replicas: Some(report.scorable_replicas),
@@ -216,6 +225,9 @@ mod tests {
         StatusReport {
             ready: v(ready),
             hashing_verified: v(true),
+            accepted: v(true),
+            generation: None,
+            applied_generation: Some(3),
             replicas: 2,
             scorable_replicas: 1,
             predicted_hit_rate: Some(0.123456),
@@ -244,5 +256,25 @@ mod tests {
         assert_eq!(flipped.conditions[0].last_transition_time, Time(t(300)));
         assert_eq!(flipped.conditions[0].status, "False");
         assert_eq!(flipped.conditions[1].last_transition_time, Time(t(100)));
+    }
+
+    #[test]
+    fn observed_generation_is_the_applied_one_and_conditions_carry_the_judged_one() {
+        let mut refused = report(true);
+        refused.accepted = Verdict::False {
+            reason: "InvalidSpec".into(),
+            message: "hashing.blockSize: must be positive".into(),
+        };
+        refused.generation = Some(4);
+        let s = status_for(&routing(None), &refused, t(100));
+        assert_eq!(s.observed_generation, Some(3));
+        let accepted = s.conditions.iter().find(|c| c.type_ == "Accepted").unwrap();
+        assert_eq!(
+            (accepted.status.as_str(), accepted.observed_generation),
+            ("False", Some(4))
+        );
+        refused.applied_generation = None;
+        let none = status_for(&routing(None), &refused, t(100));
+        assert_eq!(none.observed_generation, None);
     }
 }

@@ -396,8 +396,8 @@ fn compose(src: &Sources, cfg: &WatchConfig, prev: &PoolSnapshot) -> PoolSnapsho
     let mut computed = Ok(());
     if (pods_synced || src.pods.is_none()) && routing_settled {
         let pods = src.pods.as_ref().map(|p| p.objects()).unwrap_or_default();
-        let events = snap.routing.as_ref().map(|r| &r.spec.events);
-        match endpoints(&pool, pods.iter().map(|p| p.as_ref()), events) {
+        let events = snap.routing.as_ref().map(|r| r.spec.pod_events());
+        match endpoints(&pool, pods.iter().map(|p| p.as_ref()), events.as_ref()) {
             Ok(eps) => snap.endpoints = eps,
             Err(e) => {
                 snap.endpoints.clear();

@@ -383,6 +383,13 @@ fn report(replicas: i32) -> StatusReport {
             reason: "NoEvents".into(),
             message: "no KV events yet".into(),
         },
+        accepted: Verdict::True {
+            reason: "Applied".into(),
+            message: "the router routes with generation 1".into(),
+        },
+        generation: None,
+        // A new object's first generation.
+        applied_generation: Some(1),
         replicas,
         scorable_replicas: replicas,
         predicted_hit_rate: Some(0.5),

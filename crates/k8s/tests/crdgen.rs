@@ -51,6 +51,7 @@ fn crd_has_status_subresource_and_printer_columns() {
         "Pool",
         "Ready",
         "Hashing",
+        "Accepted",
         "Replicas",
         "Scorable",
         "Predicted",

@@ -67,6 +67,59 @@ async fn two_routers_route_precisely_through_a_discovered_pool() {
     two.shutdown().await;
 }
 
+/// A pool with `appProtocol: kubernetes.io/h2c` is spoken to with HTTP/2 prior knowledge:
+/// its pods are scraped, their event sources discovered and their requests served over HTTP/2
+/// (the simulated pods count them), and routing stays precise.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_pool_is_spoken_to_with_http2() {
+    let Some(kc) = kubeconfig() else { return };
+    let client = admin(&kc).await;
+    install_crds(&client).await;
+    let ns = namespace(&client, "h2c").await;
+    let mut reps = Replicas::new("127.0.9.1").await;
+    let ports = [reps.port];
+    create_pool_with(
+        &client,
+        &ns,
+        "llama",
+        "vllm",
+        &ports,
+        Some("kubernetes.io/h2c"),
+    )
+    .await;
+    Api::<KinferencePool>::namespaced(client.clone(), &ns)
+        .create(
+            &PostParams::default(),
+            &KinferencePool::new("llama-routing", routing_spec("llama")),
+        )
+        .await
+        .unwrap();
+    let ips = ["127.0.9.1", "127.0.9.2"];
+    let mut want = Vec::new();
+    for (pod, ip) in ["a", "b"].into_iter().zip(ips) {
+        want.push(reps.at(ip).await);
+        ready_pod(&client, &ns, pod, ip).await;
+    }
+    let (proxy, task) = router(&client, &ns, "llama", None).await;
+    // Up (scraped) with events connected (found through /kv_event_sources): both over HTTP/2.
+    wait_fleet(&proxy, &want).await;
+    for ip in ips {
+        assert!(reps.server(ip).http2_requests() > 0, "{ip}");
+    }
+    let before: Vec<u64> = ips
+        .iter()
+        .map(|ip| reps.server(ip).http2_requests())
+        .collect();
+    through_one_then_the_other(&proxy, &proxy, 0).await;
+    let after: u64 = ips.iter().map(|ip| reps.server(ip).http2_requests()).sum();
+    assert!(
+        after >= before.iter().sum::<u64>() + 2,
+        "{before:?} then {after}"
+    );
+    task.abort();
+    proxy.shutdown().await;
+}
+
 /// A prefix served through `one` lands on the same replica, with cached tokens, through `two`.
 async fn through_one_then_the_other(one: &Proxy, two: &Proxy, doc: usize) {
     let http = reqwest::Client::new();

@@ -146,6 +146,10 @@ pub struct DiscoveryStatus {
     /// A stable label for `error` (metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error_kind: Option<String>,
+    /// Why the pool's declared settings (a `KinferencePool`'s spec) cannot be applied, if
+    /// they cannot; the pool routes on with the last settings that could be.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings_error: Option<String>,
 }
 
 /// One bound KV-event endpoint, possibly shared by many replicas told apart by topic.

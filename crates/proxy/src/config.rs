@@ -423,6 +423,20 @@ pub struct ReplicaSpec {
     /// router's own record).
     #[serde(default)]
     pub events: Option<EventsSpec>,
+    /// How the router speaks to the replica (requests, scrapes, discovery).
+    #[serde(default)]
+    pub protocol: UpstreamProtocol,
+}
+
+/// The HTTP version the router speaks to a replica.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1: what vLLM serves.
+    #[default]
+    Http,
+    /// HTTP/2 with prior knowledge, without TLS (`appProtocol: kubernetes.io/h2c`).
+    H2c,
 }
 
 fn one() -> u32 {
@@ -435,11 +449,12 @@ impl ReplicaSpec {
             url: url.to_owned(),
             dp_ranks: 1,
             events: None,
+            protocol: UpstreamProtocol::Http,
         }
     }
 
     /// Parses the `--replica` flag: `URL[,events=tcp://H:P|discover][,bind=tcp://H:P]`
-    /// `[,replay=tcp://H:P][,topic=T][,dp=N]`.
+    /// `[,replay=tcp://H:P][,topic=T][,dp=N][,protocol=http|h2c]`.
     pub fn from_flag(flag: &str) -> Result<Self, ReplicaFlagError> {
         let bad = |problem: String| ReplicaFlagError {
             flag: flag.to_owned(),
@@ -470,9 +485,17 @@ impl ReplicaSpec {
                         .map_err(|_| bad("dp must be a number".to_owned()))?;
                     continue;
                 }
+                "protocol" => {
+                    spec.protocol = match value.as_str() {
+                        "http" => UpstreamProtocol::Http,
+                        "h2c" => UpstreamProtocol::H2c,
+                        _ => return Err(bad("protocol is http or h2c".to_owned())),
+                    };
+                    continue;
+                }
                 other => {
                     return Err(bad(format!(
-                        "unknown key {other:?} (events, bind, replay, topic, dp)"
+                        "unknown key {other:?} (events, bind, replay, topic, dp, protocol)"
                     )))
                 }
             }
@@ -865,6 +888,8 @@ pub(crate) struct Endpoint {
     pub authority: Authority,
     /// Path prefix of the base URL (empty or `/something`).
     pub prefix: String,
+    /// Spoken to with HTTP/2 prior knowledge (h2c) instead of HTTP/1.1.
+    pub h2c: bool,
 }
 
 impl Endpoint {
@@ -892,6 +917,7 @@ impl Endpoint {
             url: url.trim_end_matches('/').to_owned(),
             authority,
             prefix: uri.path().trim_end_matches('/').to_owned(),
+            h2c: false,
         })
     }
 }
@@ -1060,7 +1086,11 @@ fn resolve_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) -> Option<Res
     let before = errs.0.len();
     let endpoint = Endpoint::parse(&r.url)
         .map_err(|e| errs.push(format!("{path}.url"), e.to_string()))
-        .ok();
+        .ok()
+        .map(|e| Endpoint {
+            h2c: r.protocol == UpstreamProtocol::H2c,
+            ..e
+        });
     if r.dp_ranks == 0 || r.dp_ranks > 1024 {
         errs.push(format!("{path}.dp_ranks"), "must be within 1..=1024");
     }
@@ -1070,6 +1100,16 @@ fn resolve_replica(r: &ReplicaSpec, path: &str, errs: &mut Errors) -> Option<Res
         .and_then(|ev| resolve_events(ev, r.dp_ranks, &format!("{path}.events"), errs));
     let endpoint = endpoint?;
     (errs.0.len() == before).then_some(ResolvedReplica { endpoint, events })
+}
+
+/// One pool resolved on its own, as `pools[i]` of a file would be: a running pool's new
+/// settings ([`crate::PoolMembers::reconfigure`]). Errors are at `pool.FIELD`.
+pub(crate) fn resolve_one_pool(pool: &PoolConfig) -> Result<ResolvedPool, ConfigErrors> {
+    let mut errs = Errors(Vec::new());
+    match resolve_pool(pool, "pool", &mut errs) {
+        Some(rp) if errs.0.is_empty() => Ok(rp),
+        _ => Err(ConfigErrors(errs.0)),
+    }
 }
 
 /// One replica resolved on its own: a discovered pool's joiner, validated as a configured
@@ -1444,6 +1484,14 @@ pools:
             .is_none());
         assert!(ReplicaSpec::from_flag("http://h:1,colour=blue").is_err());
         assert!(ReplicaSpec::from_flag("http://h:1,dp=x").is_err());
+        let h2 = ReplicaSpec::from_flag("http://h:1,protocol=h2c").unwrap();
+        assert_eq!(h2.protocol, UpstreamProtocol::H2c);
+        assert!(h2.events.is_none());
+        assert!(ReplicaSpec::from_flag("http://h:1,protocol=h3").is_err());
+        let file: ReplicaSpec =
+            serde_yaml_ng::from_str("{url: 'http://h:1', protocol: h2c}").unwrap();
+        assert_eq!(file.protocol, UpstreamProtocol::H2c);
+        assert!(resolve_one(&file).unwrap().endpoint.h2c);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use serde::Deserialize;
 
 use crate::api::{CandidateScore, ExplainResponse, Health};
 use crate::error::RequestError;
-use crate::fleet::{Fleet, Pool, Replica};
+use crate::fleet::{Fleet, Pool, Replica, Rules};
 use crate::limits::{Admitted, Shed, ShedLabels};
 use crate::metrics::{DecisionLabels, KindLabel, PoolKind, PoolLabel, RequestLabels};
 
@@ -69,6 +69,8 @@ struct Head {
 #[derive(Debug)]
 pub(crate) struct Prepared {
     pub pool: Arc<Pool>,
+    /// The pool's rules when the request was prepared: its hashes are theirs.
+    pub rules: Arc<Rules>,
     pub model: String,
     pub hashes: Vec<BlockHash>,
     pub prompt_tokens: u32,
@@ -123,7 +125,8 @@ pub(crate) fn prepare_looked(
         .clone()
         .or_else(|| pool.models.first().cloned())
         .unwrap_or_default();
-    let (tokens, tokenize_error) = match tokenize(pool, api, body) {
+    let rules = pool.rules();
+    let (tokens, tokenize_error) = match tokenize(&rules, api, body) {
         Ok(t) => (t, None),
         Err(TokenizeError::InvalidRequest(m)) => return Err(RequestError::BadRequest(m)),
         Err(e) => {
@@ -139,8 +142,8 @@ pub(crate) fn prepare_looked(
             (Vec::new(), Some(e.to_string()))
         }
     };
-    let hashes = hash(pool, &tokens, lora, head.cache_salt);
-    let session = pool
+    let hashes = hash(&rules, &tokens, lora, head.cache_salt);
+    let session = rules
         .session_header
         .as_ref()
         .and_then(|h| headers.get(h))
@@ -148,6 +151,7 @@ pub(crate) fn prepare_looked(
         .map(str::to_owned);
     Ok(Prepared {
         pool: pool.clone(),
+        rules,
         model,
         hashes,
         prompt_tokens: u32::try_from(tokens.len()).unwrap_or(u32::MAX),
@@ -162,29 +166,29 @@ pub(crate) fn prepare_looked(
     })
 }
 
-fn tokenize(pool: &Pool, api: Api, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+fn tokenize(rules: &Rules, api: Api, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
     match api {
         Api::Chat => {
             let req = ChatRequest::from_json(body)?;
-            pool.tokenizer.encode_chat(&req)
+            rules.tokenizer.encode_chat(&req)
         }
         Api::Completions => {
             let req = CompletionRequest::from_json(body)?;
             // vLLM runs each prompt of a batch as its own request on the replica that got the
             // batch; the first prompt decides where the batch goes.
-            let prompts = pool.tokenizer.encode_completion_request(&req)?;
+            let prompts = rules.tokenizer.encode_completion_request(&req)?;
             Ok(prompts.into_iter().next().unwrap_or_default())
         }
     }
 }
 
 fn hash(
-    pool: &Pool,
+    rules: &Rules,
     tokens: &[u32],
     lora: Option<&Lora>,
     cache_salt: Option<String>,
 ) -> Vec<BlockHash> {
-    if tokens.len() < pool.hasher.block_size() {
+    if tokens.len() < rules.hasher.block_size() {
         return Vec::new();
     }
     let extras = RequestExtras {
@@ -192,7 +196,8 @@ fn hash(
         cache_salt,
         ..RequestExtras::default()
     };
-    pool.hasher
+    rules
+        .hasher
         .hash_blocks(tokens, &extras)
         .iter()
         .map(|d| d.event_hash())
@@ -259,7 +264,7 @@ pub(crate) fn landed(fleet: &Fleet, routed: &mut Routed, used: Option<usize>) {
     }
     let now = fleet.now();
     let p = &routed.prepared;
-    let mut policy = p.pool.policy.lock();
+    let mut policy = p.rules.policy.lock();
     policy.undo(std::mem::take(&mut routed.applied), &p.hashes, now);
     let Some(t) = used.and_then(|i| routed.targets.get(i)) else {
         drop(policy);
@@ -336,9 +341,14 @@ fn usable<'r>(
 }
 
 /// The workers a request may go to, with their load and cached prefix.
-fn candidates(pool: &Pool, hashes: &[BlockHash], subset: Option<&[String]>) -> Vec<Candidate> {
+fn candidates(
+    pool: &Pool,
+    uses_index: bool,
+    hashes: &[BlockHash],
+    subset: Option<&[String]>,
+) -> Vec<Candidate> {
     let matches =
-        (pool.uses_index && !hashes.is_empty()).then(|| pool.index.read().longest_prefix(hashes));
+        (uses_index && !hashes.is_empty()).then(|| pool.index.read().longest_prefix(hashes));
     let all = pool.replicas();
     let mut out = Vec::with_capacity(all.len());
     for r in usable(&all, subset) {
@@ -403,16 +413,16 @@ async fn room(pool: &Pool, subset: Option<&[String]>) -> Result<(), Shed> {
 /// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
 /// the policy (speculative entries) are recorded under the same lock hold.
 fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied) {
-    let candidates = candidates(&p.pool, &p.hashes, p.subset.as_deref());
+    let candidates = candidates(&p.pool, p.rules.uses_index, &p.hashes, p.subset.as_deref());
     let ctx = RequestCtx {
         hashes: &p.hashes,
         prompt_tokens: p.prompt_tokens,
-        block_size: p.pool.block_size,
+        block_size: p.rules.block_size,
         session: p.session.as_deref(),
         ticket: p.ticket,
     };
     let now = fleet.now();
-    let mut policy = p.pool.policy.lock();
+    let mut policy = p.rules.policy.lock();
     let decision = policy.select(&ctx, &candidates, now);
     let applied = if apply {
         policy.apply(&decision, &p.hashes, now)
@@ -451,7 +461,7 @@ pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared) -> ExplainResponse 
         model: p.model.clone(),
         api: api.as_str().to_owned(),
         prompt_tokens: p.prompt_tokens,
-        block_size: p.pool.block_size,
+        block_size: p.rules.block_size,
         blocks: p.hashes.len(),
         tokenize_error: p.tokenize_error.clone(),
         policy: decision.policy.to_owned(),

@@ -2,7 +2,7 @@
 //! and the guard that keeps the router's own in-flight counts exact.
 //!
 //! ```text
-//!  Fleet ─┬─ Pool (tokenizer, hasher, Mutex<Policy>, index handle, EventPlane)
+//!  Fleet ─┬─ Pool (Rules: tokenizer, hasher, Mutex<Policy>; index handle, EventPlane)
 //!         │    └─ Replica (URL, health, scorable) ── WorkerLoad per DP rank (atomics)
 //!         └─ watch<u64> "changed": bumped on load/health changes while anyone waits on it
 //! ```
@@ -19,6 +19,10 @@
 //!   discovery through `members`): a leaver is out of the set before its index entries are
 //!   cleared, and requests already routed to it hold their own `Arc` and finish. Replica ids
 //!   are never reused.
+//! * A pool's [`Rules`] (tokenizer, hashing, policy, session header) are one immutable value
+//!   swapped whole ([`Pool::set_rules`]): a request takes them once and tokenizes, hashes,
+//!   scores and records its speculative entries with the same set, even when they are replaced
+//!   meanwhile.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
@@ -162,13 +166,8 @@ fn bump(changed: &watch::Sender<u64>) {
 pub(crate) struct Pool {
     pub name: String,
     pub models: Vec<String>,
-    pub tokenizer: Tokenizer,
-    pub hasher: BlockHasher,
-    pub block_size: u32,
-    pub policy: Mutex<Policy>,
-    pub policy_name: &'static str,
-    pub uses_index: bool,
-    pub session_header: Option<HeaderName>,
+    /// How requests are tokenized, hashed and placed; replaced whole, see [`Rules`].
+    rules: RwLock<Arc<Rules>>,
     pub index: Arc<RwLock<Index>>,
     /// At most `limits.max_in_flight` of the pool's requests are forwarded at once.
     pub gate: Gate,
@@ -197,6 +196,75 @@ pub(crate) struct Pool {
     predicted_cached_tokens: AtomicU64,
 }
 
+/// How a pool's requests are tokenized, hashed and placed: the settings a discovered pool's
+/// declared configuration (a `KinferencePool`) may change while the router runs.
+#[derive(Debug)]
+pub(crate) struct Rules {
+    /// The settings these were built from (the pool's whole configuration).
+    pub config: PoolConfig,
+    pub tokenizer: Arc<Tokenizer>,
+    pub hasher: BlockHasher,
+    pub block_size: u32,
+    /// Shared with the next rules when neither the policy's settings nor the hashing change,
+    /// so that its records (speculative entries, the approximate policy's view) carry over.
+    pub policy: Arc<Mutex<Policy>>,
+    pub policy_name: &'static str,
+    pub uses_index: bool,
+    pub session_header: Option<HeaderName>,
+}
+
+impl Rules {
+    /// Rules for `pc`, reusing `previous`'s tokenizer when its directory and cache size are
+    /// the same and its policy when the policy's settings, the tokenizer and the hashing are.
+    /// Loading a tokenizer reads and parses files: call from a blocking context.
+    pub fn build(
+        pc: &PoolConfig,
+        hasher: BlockHasher,
+        session_header: Option<HeaderName>,
+        previous: Option<&Rules>,
+    ) -> Result<Rules, kinference_tokenize::TokenizeError> {
+        let same_tokenizer = previous.filter(|p| {
+            p.config.tokenizer == pc.tokenizer
+                && p.config.tokenizer_cache_bytes == pc.tokenizer_cache_bytes
+        });
+        let tokenizer = match same_tokenizer {
+            Some(p) => p.tokenizer.clone(),
+            None => {
+                let options = TokenizerOptions {
+                    cache_capacity_bytes: pc.tokenizer_cache_bytes,
+                    ..TokenizerOptions::default()
+                };
+                Arc::new(Tokenizer::from_dir_with(&pc.tokenizer, options)?)
+            }
+        };
+        let same_policy = same_tokenizer.filter(|p| {
+            p.config.policy == pc.policy
+                && p.block_size == pc.block_size
+                && p.hasher.algo() == hasher.algo()
+                && p.hasher.seed() == hasher.seed()
+                && p.config.extra_keys_format == pc.extra_keys_format
+        });
+        let policy = match same_policy {
+            Some(p) => p.policy.clone(),
+            None => Arc::new(Mutex::new(Policy::new(pc.policy.clone()))),
+        };
+        let (policy_name, uses_index) = {
+            let p = policy.lock();
+            (p.name(), p.uses_index())
+        };
+        Ok(Rules {
+            config: pc.clone(),
+            tokenizer,
+            hasher,
+            block_size: pc.block_size,
+            policy,
+            policy_name,
+            uses_index,
+            session_header,
+        })
+    }
+}
+
 /// One member of a discovered pool: its replicas (one per target port) and their tasks.
 #[derive(Debug, Default)]
 pub(crate) struct Member {
@@ -211,6 +279,8 @@ pub(crate) struct DiscoveryState {
     pub synced: bool,
     /// (bounded metric label, message naming the fix) while reading fails.
     pub error: Option<(String, String)>,
+    /// Why the pool's declared settings cannot be applied, while they cannot.
+    pub settings_error: Option<String>,
 }
 
 impl Pool {
@@ -248,6 +318,16 @@ impl Pool {
             self.routed_prompt_tokens.load(Ordering::Relaxed),
             self.predicted_cached_tokens.load(Ordering::Relaxed),
         )
+    }
+
+    /// The rules requests are placed by now.
+    pub fn rules(&self) -> Arc<Rules> {
+        self.rules.read().clone()
+    }
+
+    /// Replaces the rules; requests already prepared finish with the ones they took.
+    pub fn set_rules(&self, rules: Rules) {
+        *self.rules.write() = Arc::new(rules);
     }
 
     /// The replicas requests may go to now.
@@ -291,7 +371,7 @@ impl Pool {
     }
 
     pub fn tracked_entries(&self) -> usize {
-        self.policy.lock().tracked_entries()
+        self.rules().policy.lock().tracked_entries()
     }
 }
 
@@ -610,11 +690,7 @@ async fn build_pool(
     next_id: &mut u32,
 ) -> Result<Built, StartError> {
     let name = pc.display_name();
-    let options = TokenizerOptions {
-        cache_capacity_bytes: pc.tokenizer_cache_bytes,
-        ..TokenizerOptions::default()
-    };
-    let tokenizer = Tokenizer::from_dir_with(&pc.tokenizer, options).map_err(|source| {
+    let rules = Rules::build(pc, rp.hasher, rp.session_header, None).map_err(|source| {
         StartError::Tokenizer {
             pool: name.clone(),
             dir: pc.tokenizer.display().to_string(),
@@ -641,7 +717,6 @@ async fn build_pool(
         }
         replicas.push(replica);
     }
-    let policy = Policy::new(pc.policy.clone());
     let pool = Pool {
         name: name.clone(),
         models: pc
@@ -650,13 +725,7 @@ async fn build_pool(
             .chain(pc.lora_adapters.keys())
             .cloned()
             .collect(),
-        tokenizer,
-        hasher: rp.hasher,
-        block_size: pc.block_size,
-        policy_name: policy.name(),
-        uses_index: policy.uses_index(),
-        policy: Mutex::new(policy),
-        session_header: rp.session_header,
+        rules: RwLock::new(Arc::new(rules)),
         index: plane.index(),
         gate,
         worker_cap,

@@ -28,7 +28,8 @@
 //!
 //!  per replica: scraper task (GET /metrics every interval: running, waiting, KV usage,
 //!               vllm:cache_config_info → scorable or not; health)
-//!  discovered pools: PoolMembers handles (join / leave while running; see members.rs)
+//!  discovered pools: PoolMembers handles (join / leave, and new tokenizer, hashing or
+//!                    policy, while running; see members.rs)
 //!  per pool:    EventPlane (ZMQ SUB per DP rank → index), policy expiry task
 //!  admin port:  /metrics /livez /healthz /readyz /debug/explain /debug/replicas (a bearer
 //!               token for all but the probes when admin_auth has one)
@@ -104,10 +105,10 @@ pub use api::{ReadyResponse, ReplicasResponse, ScrapeCounts};
 pub use config::{
     parse_policy, AdminAuth, AdminToken, Config, ConfigError, ConfigErrors, EventSourceError,
     EventsSpec, InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec,
-    UrlError,
+    UpstreamProtocol, UrlError,
 };
 pub use error::{RequestError, StartError};
-pub use members::{JoinError, PoolMembers};
+pub use members::{JoinError, PoolMembers, ReconfigureError};
 pub use pick::{Pick, PickRequest, Picker};
 
 use crate::admin::AdminState;
@@ -243,7 +244,7 @@ impl Proxy {
                 loop {
                     tick.tick().await;
                     let now = f.now();
-                    p.policy.lock().expire(now);
+                    p.rules().policy.lock().expire(now);
                 }
             }));
         }

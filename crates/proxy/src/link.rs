@@ -15,6 +15,13 @@
 //! replicas' keep-alive, so a replica does not close it under a request being written). A
 //! response body dropped early (client gone) drops its connection, which closes the socket and
 //! makes vLLM abort the request.
+//!
+//! Replicas spoken to with HTTP/2 prior knowledge (h2c) are the exception: one connection per
+//! replica (per data-plane thread) carries every request as a stream, so it is driven by a task
+//! of its own, and requests share it ([`Links::send_h2`]). A connection that closed is replaced
+//! by the next request; a request that could not be started on it is a connect failure (nothing
+//! reached the replica), one that failed after is not. Dropping a response body resets its
+//! stream, which vLLM sees as a disconnect.
 
 use std::collections::HashMap;
 use std::future::{poll_fn, Future};
@@ -29,8 +36,8 @@ use http::{Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::client::conn::http1;
-use hyper_util::rt::TokioIo;
+use hyper::client::conn::{http1, http2};
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
@@ -66,6 +73,8 @@ impl LinkError {
 #[derive(Clone)]
 pub(crate) struct Links {
     idle: Arc<Mutex<HashMap<Authority, Vec<Link>>>>,
+    /// HTTP/2 connections by replica authority, shared by their requests.
+    h2: Arc<Mutex<HashMap<Authority, http2::SendRequest<Full<Bytes>>>>>,
     connect_timeout: Duration,
     idle_timeout: Duration,
     max_idle_per_host: usize,
@@ -84,6 +93,7 @@ impl Links {
     pub fn new(connect_timeout: Duration, idle_timeout: Duration) -> Self {
         Links {
             idle: Arc::new(Mutex::new(HashMap::new())),
+            h2: Arc::new(Mutex::new(HashMap::new())),
             connect_timeout,
             idle_timeout,
             max_idle_per_host: 256,
@@ -109,6 +119,76 @@ impl Links {
         };
         let resp = exchange(&mut link, req).await?;
         Ok(self.body(resp, link, authority))
+    }
+
+    /// Sends `req` to `authority` over HTTP/2 (prior knowledge) on the replica's shared
+    /// connection, or a new one. The request's URI must be absolute (its scheme and authority
+    /// are the stream's pseudo-headers).
+    pub async fn send_h2(
+        &self,
+        authority: &Authority,
+        mut req: Request<Full<Bytes>>,
+    ) -> Result<Response<LinkBody>, LinkError> {
+        *req.version_mut() = http::Version::HTTP_2;
+        let mut sender = self.h2_sender(authority).await?;
+        if sender.ready().await.is_err() {
+            // It closed before this request was sent: one fresh connection, then give up.
+            self.forget_closed_h2(authority);
+            sender = self.h2_sender(authority).await?;
+            if let Err(e) = sender.ready().await {
+                self.forget_closed_h2(authority);
+                return Err(LinkError::Connect {
+                    authority: authority.to_string(),
+                    detail: format!("HTTP/2 connection closed: {e}"),
+                });
+            }
+        }
+        let resp = sender.send_request(req).await?;
+        Ok(resp.map(|inner| LinkBody {
+            inner,
+            link: None,
+            home: None,
+        }))
+    }
+
+    /// The replica's open HTTP/2 connection, or a new one (its task spawned here).
+    async fn h2_sender(
+        &self,
+        authority: &Authority,
+    ) -> Result<http2::SendRequest<Full<Bytes>>, LinkError> {
+        let open = self
+            .h2
+            .lock()
+            .get(authority)
+            .filter(|s| !s.is_closed())
+            .cloned();
+        if let Some(sender) = open {
+            return Ok(sender);
+        }
+        let tcp = self.dial(authority).await?;
+        let (sender, conn) = http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .map_err(|e| LinkError::Connect {
+                authority: authority.to_string(),
+                detail: format!("HTTP/2 handshake: {e}"),
+            })?;
+        let who = authority.to_string();
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(replica = %who, error = %e, "HTTP/2 connection ended");
+            }
+        });
+        self.h2.lock().insert(authority.clone(), sender.clone());
+        Ok(sender)
+    }
+
+    /// Drops the cached connection of `authority` if it closed (another request may have
+    /// replaced it already).
+    fn forget_closed_h2(&self, authority: &Authority) {
+        let mut h2 = self.h2.lock();
+        if h2.get(authority).is_some_and(|s| s.is_closed()) {
+            h2.remove(authority);
+        }
     }
 
     fn body(
@@ -160,6 +240,23 @@ impl Links {
             authority: authority.to_string(),
             detail,
         };
+        let tcp = self.dial(authority).await?;
+        let (sender, conn) = http1::handshake(TokioIo::new(tcp))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        Ok(Link {
+            sender,
+            conn,
+            idle_since: Instant::now(),
+        })
+    }
+
+    /// A TCP connection to `authority` with `TCP_NODELAY`, within the connect timeout.
+    async fn dial(&self, authority: &Authority) -> Result<TcpStream, LinkError> {
+        let err = |detail: String| LinkError::Connect {
+            authority: authority.to_string(),
+            detail,
+        };
         let host = authority
             .host()
             .trim_start_matches('[')
@@ -176,14 +273,7 @@ impl Links {
             .map_err(|e| err(e.to_string()))?;
         // Small SSE chunks must leave at once: Nagle's algorithm with delayed ACKs adds ~40 ms.
         tcp.set_nodelay(true).map_err(|e| err(e.to_string()))?;
-        let (sender, conn) = http1::handshake(TokioIo::new(tcp))
-            .await
-            .map_err(|e| err(e.to_string()))?;
-        Ok(Link {
-            sender,
-            conn,
-            idle_since: Instant::now(),
-        })
+        Ok(tcp)
     }
 }
 
@@ -347,6 +437,69 @@ mod tests {
         assert_eq!(resp.status(), 200);
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    /// An HTTP/2-only replica answering every request with its HTTP version; its connections
+    /// close when `close` is notified. Counts the connections it accepted.
+    async fn h2_replica(close: Arc<tokio::sync::Notify>) -> (Authority, Arc<AtomicUsize>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((sock, _)) = l.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                let close = close.clone();
+                tokio::spawn(async move {
+                    let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
+                        let v = format!("{:?}", req.version());
+                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(v))))
+                    });
+                    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(sock), svc);
+                    tokio::select! {
+                        _ = conn => {}
+                        // Dropping the connection closes the socket.
+                        _ = close.notified() => {}
+                    }
+                });
+            }
+        });
+        (Authority::try_from(addr.to_string()).unwrap(), accepted)
+    }
+
+    async fn read_all_h2(links: &Links, authority: &Authority) -> String {
+        let resp = links.send_h2(authority, get(authority)).await.unwrap();
+        assert_eq!(resp.status(), 200);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        String::from_utf8(body.to_vec()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn h2c_requests_share_one_connection_and_a_closed_one_is_replaced() {
+        let close = Arc::new(tokio::sync::Notify::new());
+        let (authority, accepted) = h2_replica(close.clone()).await;
+        let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+        assert_eq!(read_all_h2(&links, &authority).await, "HTTP/2.0");
+        let together =
+            futures_util::future::join_all((0..4).map(|_| read_all_h2(&links, &authority))).await;
+        assert!(together.iter().all(|v| v == "HTTP/2.0"), "{together:?}");
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+
+        close.notify_waiters();
+        // Wait until the client side has seen the close (no request races it then).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !links
+            .h2
+            .lock()
+            .get(&authority)
+            .is_some_and(|s| s.is_closed())
+        {
+            assert!(Instant::now() < deadline, "the close was never seen");
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(read_all_h2(&links, &authority).await, "HTTP/2.0");
+        assert_eq!(accepted.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]

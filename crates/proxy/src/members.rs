@@ -10,11 +10,19 @@
 //! [`PoolMembers::leave`] returns; requests already routed to it finish on their own reference
 //! (series they write afterwards are swept later). Changes to one pool are made by one caller
 //! at a time (the pool's discovery loop); other pools are never touched.
+//!
+//! The same handle replaces the pool's rules ([`PoolMembers::reconfigure`]: tokenizer,
+//! hashing, policy, session header) while it routes: new settings are validated as a config
+//! file's pool is, and the tokenizer loaded, before anything changes; settings that fail keep
+//! the pool on its current rules. Requests prepared before the swap finish with the old rules,
+//! those after use the new ones; no request sees a mix.
 
 use std::sync::Arc;
 
-use crate::config::{resolve_one, ConfigErrors, InferencePoolRef, ReplicaSpec};
-use crate::fleet::{subscribe, Fleet, Member, Pool, Replica};
+use crate::config::{
+    resolve_one, resolve_one_pool, ConfigErrors, InferencePoolRef, PoolConfig, ReplicaSpec,
+};
+use crate::fleet::{subscribe, Fleet, Member, Pool, Replica, Rules};
 
 /// Adds and removes the replicas of one discovered pool.
 #[derive(Clone, Debug)]
@@ -31,6 +39,44 @@ pub enum JoinError {
     Config { key: String, errors: ConfigErrors },
     #[error("the router is shutting down")]
     ShutDown,
+}
+
+/// Why new settings were not applied; the pool routes on with its current ones.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconfigureError {
+    #[error("{0}")]
+    Config(ConfigErrors),
+    #[error("loading the tokenizer from {dir}: {source}")]
+    Tokenizer {
+        dir: String,
+        source: kinference_tokenize::TokenizeError,
+    },
+    #[error("loading the tokenizer from {dir}: the loading task failed: {message}")]
+    Task { dir: String, message: String },
+}
+
+/// The fields of a [`PoolConfig`] that [`PoolMembers::reconfigure`] applies, by their names
+/// in a config file, with whether `a` and `b` differ in each.
+fn rule_changes(a: &PoolConfig, b: &PoolConfig) -> Vec<&'static str> {
+    [
+        ("tokenizer", a.tokenizer != b.tokenizer),
+        (
+            "tokenizer_cache_bytes",
+            a.tokenizer_cache_bytes != b.tokenizer_cache_bytes,
+        ),
+        ("block_size", a.block_size != b.block_size),
+        ("hash_algo", a.hash_algo != b.hash_algo),
+        ("hash_seed", a.hash_seed != b.hash_seed),
+        (
+            "extra_keys_format",
+            a.extra_keys_format != b.extra_keys_format,
+        ),
+        ("policy", a.policy != b.policy),
+        ("session_header", a.session_header != b.session_header),
+    ]
+    .into_iter()
+    .filter_map(|(name, differs)| differs.then_some(name))
+    .collect()
 }
 
 impl PoolMembers {
@@ -51,6 +97,65 @@ impl PoolMembers {
     /// The `InferencePool` the configuration names.
     pub fn source(&self) -> &InferencePoolRef {
         &self.source
+    }
+
+    /// The settings the pool routes with now (what it was started with, or last
+    /// [`reconfigured`](PoolMembers::reconfigure) to).
+    pub fn settings(&self) -> PoolConfig {
+        self.pool.rules().config.clone()
+    }
+
+    /// Routes the pool with `new`'s tokenizer, hashing (block size, algorithm, seed, extra-keys
+    /// format), policy and session header from now on; `new`'s other fields (name, models,
+    /// adapters, replicas, events, source) are the pool's identity and are ignored. Returns
+    /// the fields that changed (none: nothing was replaced). On error nothing changed.
+    ///
+    /// The policy starts afresh when its settings, the tokenizer or the hashing change (its
+    /// records are of prompts hashed the old way). The index is kept: it holds what the
+    /// replicas reported, and entries hashed another way than the new rules simply match no
+    /// prompt; a replica whose reported hashing differs from the new rules is marked
+    /// unscorable at its next scrape.
+    pub async fn reconfigure(
+        &self,
+        new: &PoolConfig,
+    ) -> Result<Vec<&'static str>, ReconfigureError> {
+        let current = self.pool.rules();
+        let mut pc = current.config.clone();
+        pc.tokenizer = new.tokenizer.clone();
+        pc.tokenizer_cache_bytes = new.tokenizer_cache_bytes;
+        pc.block_size = new.block_size;
+        pc.hash_algo = new.hash_algo.clone();
+        pc.hash_seed = new.hash_seed.clone();
+        pc.extra_keys_format = new.extra_keys_format.clone();
+        pc.policy = new.policy.clone();
+        pc.session_header = new.session_header.clone();
+        let changed = rule_changes(&current.config, &pc);
+        if changed.is_empty() {
+            return Ok(changed);
+        }
+        let rp = resolve_one_pool(&pc).map_err(ReconfigureError::Config)?;
+        let dir = pc.tokenizer.display().to_string();
+        // Loading a tokenizer reads and parses files: not on the runtime's threads.
+        let built = tokio::task::spawn_blocking(move || {
+            Rules::build(&pc, rp.hasher, rp.session_header, Some(&current))
+        })
+        .await
+        .map_err(|e| ReconfigureError::Task {
+            dir: dir.clone(),
+            message: e.to_string(),
+        })?
+        .map_err(|source| ReconfigureError::Tokenizer { dir, source })?;
+        self.pool.set_rules(built);
+        tracing::info!(pool = %self.pool.name, ?changed, "pool settings replaced");
+        self.fleet.bump();
+        Ok(changed)
+    }
+
+    /// Records why the pool's declared settings cannot be applied (`None`: they are); shown
+    /// in `/debug/replicas` and as `kinference_pool_settings_error`.
+    pub fn set_settings_error(&self, error: Option<String>) {
+        self.pool.discovery.lock().settings_error = error;
+        self.fleet.bump();
     }
 
     /// The pool's state now, as `/debug/replicas` shows it.
@@ -155,7 +260,8 @@ impl PoolMembers {
                     tracing::debug!(replica = %r.url(), error = %e, "removing a replica's events");
                 }
             }
-            let mut policy = self.pool.policy.lock();
+            let rules = self.pool.rules();
+            let mut policy = rules.policy.lock();
             for rank in 0..r.dp_size() {
                 policy.remove_worker(r.worker(rank));
             }

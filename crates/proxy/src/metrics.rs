@@ -429,6 +429,7 @@ struct StateSeries {
     ev_decode: Series,
     discovery_ok: Series,
     discovery_error: Series,
+    settings_error: Series,
     ev_unknown: Series,
 }
 
@@ -532,6 +533,10 @@ impl StateSeries {
                 "kinference_pool_discovery_error",
                 "1 while a discovered pool's source cannot be read, labelled with why",
             ),
+            settings_error: Series::gauge(
+                "kinference_pool_settings_error",
+                "1 while a discovered pool's declared settings (its KinferencePool) cannot be applied; it routes with the last ones that could",
+            ),
             ev_unknown: Series::counter(
                 "kinference_event_endpoint_unknown_topic_messages",
                 "KV-event messages at a bound endpoint under a topic no replica is configured with (dropped)",
@@ -557,6 +562,9 @@ impl StateSeries {
                     el.push(("reason", kind.clone()));
                     self.discovery_error.samples.push((el, 1.0));
                 }
+                self.settings_error
+                    .samples
+                    .push((pl(), f64::from(u8::from(d.settings_error.is_some()))));
             }
             let mut n_unscorable = 0usize;
             for replica in &pool.replicas {
@@ -658,6 +666,7 @@ impl StateSeries {
             &self.ev_decode,
             &self.discovery_ok,
             &self.discovery_error,
+            &self.settings_error,
         ] {
             s.encode(encoder)?;
         }

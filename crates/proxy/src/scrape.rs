@@ -22,7 +22,7 @@ use kinference_vllm::metrics::text;
 use kinference_vllm::{BlockHasher, RequestExtras};
 
 use crate::api::CacheConfigStatus;
-use crate::fleet::{Fleet, Pool, Replica};
+use crate::fleet::{Fleet, Pool, Replica, Rules};
 
 /// What one scrape found, per vLLM engine (`engine` label = DP rank).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -90,21 +90,21 @@ pub(crate) fn parse(text: &str) -> Scraped {
 }
 
 /// Why the router cannot reproduce a replica's hashes, if it cannot.
-pub(crate) fn unscorable_reason(pool: &Pool, cfg: &CacheConfigStatus) -> Option<String> {
+pub(crate) fn unscorable_reason(rules: &Rules, cfg: &CacheConfigStatus) -> Option<String> {
     let mut reasons = Vec::new();
     if cfg.prefix_caching == Some(false) {
         reasons.push("prefix caching is off on the replica".to_owned());
     }
     if let Some(bs) = cfg.block_size {
-        if bs != pool.block_size {
+        if bs != rules.block_size {
             reasons.push(format!(
                 "the replica's block size is {bs}, the pool's {}",
-                pool.block_size
+                rules.block_size
             ));
         }
     }
     if let Some(algo) = &cfg.hash_algo {
-        let ours = pool.hasher.algo().as_str();
+        let ours = rules.hasher.algo().as_str();
         if algo != ours {
             reasons.push(format!(
                 "the replica hashes with {algo}, the pool with {ours}"
@@ -197,17 +197,19 @@ pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
             }
         }
     }
+    // One set of rules for the whole verdict, even if they are replaced meanwhile.
+    let rules = pool.rules();
     let mut reasons: Vec<String> = s
         .cache_config
         .as_ref()
-        .and_then(|c| unscorable_reason(pool, c))
+        .and_then(|c| unscorable_reason(&rules, c))
         .into_iter()
         .collect();
     if let Some(plane) = pool.plane() {
         for rank in 0..replica.dp_size() {
             let why = plane
                 .health(replica.worker(rank))
-                .and_then(|h| event_unscorable_reason(pool.block_size, &pool.hasher, &h));
+                .and_then(|h| event_unscorable_reason(rules.block_size, &rules.hasher, &h));
             if let Some(why) = why.filter(|w| !reasons.contains(w)) {
                 reasons.push(why);
             }

@@ -26,12 +26,13 @@ pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
     let (index_entries, index_blocks) = pool.index_size();
     let plane = pool.plane();
     let (routed_prompt_tokens, predicted_cached_tokens) = pool.routed_tokens();
+    let rules = pool.rules();
     PoolStatus {
         name: pool.name.clone(),
         models: pool.models.clone(),
-        block_size: pool.block_size,
-        hash_algo: pool.hasher.algo().as_str().to_owned(),
-        policy: pool.policy_name.to_owned(),
+        block_size: rules.block_size,
+        hash_algo: rules.hasher.algo().as_str().to_owned(),
+        policy: rules.policy_name.to_owned(),
         index_entries,
         index_blocks,
         tracked_entries: pool.tracked_entries(),
@@ -60,6 +61,7 @@ fn discovery(pool: &Pool) -> Option<DiscoveryStatus> {
         synced: d.synced,
         error,
         error_kind,
+        settings_error: d.settings_error,
     })
 }
 
@@ -131,7 +133,7 @@ fn events(pool: &Pool, h: &WorkerHealth, now: Instant) -> EventStreamStatus {
         socket_errors: h.socket_errors,
         last_event_age_ms: h.last_event_age(now).map(|d| d.as_millis() as u64),
         stored_block_size: h.stored_block_size,
-        root_hashes_match: roots_match(&pool.hasher, h),
+        root_hashes_match: roots_match(&pool.rules().hasher, h),
     }
 }
 

@@ -1,6 +1,7 @@
 //! The HTTP client towards replicas, `TCP_NODELAY` throughout: forwarded requests go on
 //! connections driven by the requests themselves (`link`); small GETs for scraping and
-//! discovery use a pooled hyper client. Also builds upstream requests from client requests
+//! discovery use a pooled hyper client. A replica whose endpoint says `h2c` is spoken to with
+//! HTTP/2 prior knowledge on both paths, every other one with HTTP/1.1. Also builds upstream requests from client requests
 //! (hop-by-hop headers dropped, `Host` rewritten, the body's original bytes).
 //!
 //! Invariant: an upstream request carries exactly the bytes the client sent as its body; only
@@ -27,6 +28,8 @@ pub(crate) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 #[derive(Clone, Debug)]
 pub(crate) struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// The same for h2c replicas: HTTP/2 only, with prior knowledge.
+    client_h2: Client<HttpConnector, Full<Bytes>>,
     links: Links,
 }
 
@@ -41,9 +44,15 @@ impl Upstream {
             .pool_timer(TokioTimer::new())
             .pool_max_idle_per_host(256)
             .pool_idle_timeout(pool_idle)
+            .build(connector.clone());
+        let client_h2 = Client::builder(TokioExecutor::new())
+            .pool_timer(TokioTimer::new())
+            .pool_idle_timeout(pool_idle)
+            .http2_only(true)
             .build(connector);
         Upstream {
             client,
+            client_h2,
             links: Links::new(connect_timeout, pool_idle),
         }
     }
@@ -54,7 +63,11 @@ impl Upstream {
         endpoint: &Endpoint,
         req: Request<Full<Bytes>>,
     ) -> Result<Response<LinkBody>, LinkError> {
-        self.links.send(&endpoint.authority, req).await
+        if endpoint.h2c {
+            self.links.send_h2(&endpoint.authority, req).await
+        } else {
+            self.links.send(&endpoint.authority, req).await
+        }
     }
 
     /// `GET base + path`, whole body (at most `limit` bytes), within `timeout`.
@@ -72,9 +85,13 @@ impl Upstream {
             .header(header::HOST, endpoint.authority.as_str())
             .body(Full::new(Bytes::new()))
             .map_err(UriError)?;
+        let client = if endpoint.h2c {
+            &self.client_h2
+        } else {
+            &self.client
+        };
         let fut = async {
-            let resp = self
-                .client
+            let resp = client
                 .request(req)
                 .await
                 .map_err(|e| GetError::Request(error_chain(&e)))?;
@@ -161,7 +178,7 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 }
 
 /// The upstream request for one attempt: same method, path and end-to-end headers, the
-/// original body bytes, HTTP/1.1.
+/// original body bytes, HTTP/1.1 (HTTP/2 for an h2c replica).
 pub(crate) fn build_request(
     method: &Method,
     path_and_query: &str,
@@ -187,7 +204,11 @@ pub(crate) fn build_request(
     let mut req = Request::new(Full::new(body));
     *req.method_mut() = method.clone();
     *req.uri_mut() = uri;
-    *req.version_mut() = Version::HTTP_11;
+    *req.version_mut() = if endpoint.h2c {
+        Version::HTTP_2
+    } else {
+        Version::HTTP_11
+    };
     *req.headers_mut() = headers;
     Ok(req)
 }

@@ -1239,3 +1239,56 @@ async fn a_quiet_replica_is_scraped_less_and_any_news_brings_its_scrape_back() {
     );
     proxy.shutdown().await;
 }
+
+/// A replica with `protocol: h2c` is spoken to with HTTP/2 prior knowledge: scrapes (it comes
+/// up), KV events still indexed, a request and a streamed one served, and the prefix's next
+/// turn routed there with cached tokens; the replica counts every one as HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_replica_is_spoken_to_with_http2() {
+    let s = sim(SimOpts {
+        events: true,
+        ..SimOpts::default()
+    })
+    .await;
+    let mut spec = replica_with_events(&s);
+    spec.protocol = kinference_proxy::UpstreamProtocol::H2c;
+    let proxy = router(config(vec![pool(vec![spec], precise(0))])).await;
+    proxy
+        .wait_until(WAIT, |st| st.pools[0].replicas[0].health == Health::Up)
+        .await
+        .unwrap_or_else(|st| panic!("never scraped over HTTP/2: {st:#?}"));
+    let scraped = s.http2_requests();
+    assert!(scraped > 0);
+    proxy
+        .wait_for_events(&url(s.addr), 0, WAIT, |h| h.connected)
+        .await
+        .unwrap();
+
+    let body = json!({"model": MODEL, "prompt": prompt(1, "Why?"), "max_tokens": 4});
+    let first = post(proxy.data_addr(), "/v1/completions", &body).await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 32;
+    proxy
+        .wait_for_events(&url(s.addr), 0, WAIT, |h| h.entries as u64 >= blocks)
+        .await
+        .unwrap();
+    let next = json!({"model": MODEL, "prompt": prompt(1, "How?"), "max_tokens": 4});
+    let second = post(proxy.data_addr(), "/v1/completions", &next).await;
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert!(second.cached_tokens() > 0, "{}", second.body);
+
+    let mut streamed = next.clone();
+    streamed["stream"] = json!(true);
+    let resp = client()
+        .post(format!("http://{}/v1/completions", proxy.data_addr()))
+        .json(&streamed)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    // The three requests, besides the scrapes.
+    assert!(s.http2_requests() >= scraped + 3, "{}", s.http2_requests());
+    proxy.shutdown().await;
+}

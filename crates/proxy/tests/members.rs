@@ -210,3 +210,55 @@ async fn a_leavers_metric_series_are_removed() {
     );
     proxy.shutdown().await;
 }
+
+/// New rules while the pool routes: applied whole when they resolve (the fields that changed
+/// are returned), refused with the pool untouched when they do not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reconfigure_replaces_the_rules_or_refuses_them_whole() {
+    let (_, b) = replicas().await;
+    let (proxy, members) = discovered_router().await;
+    members.join("b", &[replica_with_events(&b)]).await.unwrap();
+    let body = json!({"model": MODEL, "prompt": prompt(1), "max_tokens": 1});
+    assert_eq!(post(&proxy, &body).await.0, 200);
+
+    let same = members.settings();
+    assert_eq!(
+        members.reconfigure(&same).await.unwrap(),
+        Vec::<&str>::new()
+    );
+
+    let mut next = same.clone();
+    next.policy = kinference_proxy::parse_policy("least-load").unwrap();
+    next.hash_algo = "xxhash".into();
+    next.hash_seed = Some("0".into());
+    // Not rules: the pool's identity stays as it is.
+    next.models = vec!["other".into()];
+    let changed = members.reconfigure(&next).await.unwrap();
+    assert_eq!(changed, ["hash_algo", "hash_seed", "policy"]);
+    let s = proxy.status();
+    let p = &s.pools[0];
+    assert_eq!(
+        (p.policy.as_str(), p.hash_algo.as_str()),
+        ("least-load", "xxhash")
+    );
+    assert_eq!(p.models, [MODEL]);
+    assert_eq!(members.settings().models, [MODEL]);
+    assert_eq!(post(&proxy, &body).await.0, 200);
+
+    let mut bad = members.settings();
+    bad.block_size = 0;
+    bad.tokenizer = "/nonexistent/tokenizer".into();
+    bad.policy = kinference_proxy::parse_policy("round-robin").unwrap();
+    let err = members.reconfigure(&bad).await.unwrap_err().to_string();
+    assert!(
+        err.contains("block_size") && err.contains("tokenizer.json"),
+        "{err}"
+    );
+    let s = proxy.status();
+    assert_eq!(
+        (s.pools[0].policy.as_str(), s.pools[0].block_size),
+        ("least-load", 32)
+    );
+    assert_eq!(post(&proxy, &body).await.0, 200);
+    proxy.shutdown().await;
+}

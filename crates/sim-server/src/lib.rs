@@ -14,6 +14,8 @@
 //! `data_parallel_size` D it is one API server in front of D engines, as vLLM's internal
 //! load balancing runs them: each rank has its own engine, publisher (endpoint port + rank)
 //! and `engine` metric label, and `X-data-parallel-rank` picks one.
+//! The HTTP server speaks HTTP/1.1 and HTTP/2 with prior knowledge (h2c, as a pool with
+//! `appProtocol: kubernetes.io/h2c` is reached); [`Server::http2_requests`] counts the latter.
 //! Invariants: one task owns each engine, so its commands and steps are serialised; each
 //! rank's events are published in step order with sequence numbers from 0 and no gaps.
 //! [`cli`] turns command-line flags into [`ServerConfig`]s (one per replica).
@@ -117,6 +119,7 @@ pub struct Server {
     pub endpoints: Option<PublisherEndpoints>,
     ranks: Vec<RankHandle>,
     tasks: Vec<JoinHandle<()>>,
+    http2_requests: Arc<AtomicU64>,
 }
 
 impl Server {
@@ -212,7 +215,16 @@ impl Server {
             id_key: std::collections::hash_map::RandomState::new(),
         });
         let addr = listener.local_addr()?;
-        let app = http::router(state);
+        let http2_requests = Arc::new(AtomicU64::new(0));
+        let counter = http2_requests.clone();
+        let app = http::router(state).layer(axum::middleware::map_request(
+            move |req: axum::extract::Request| {
+                if req.version() == axum::http::Version::HTTP_2 {
+                    counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                std::future::ready(req)
+            },
+        ));
         tasks.push(tokio::spawn(async move {
             // Like uvicorn on asyncio (vLLM's server): every SSE event leaves at once instead of
             // waiting out Nagle against the client's delayed ACK (~40 ms per streamed request).
@@ -230,7 +242,14 @@ impl Server {
             endpoints: ranks.first().and_then(|r| r.endpoints.clone()),
             ranks,
             tasks,
+            http2_requests,
         })
+    }
+
+    /// Requests that came over HTTP/2 (h2c) since start.
+    pub fn http2_requests(&self) -> u64 {
+        self.http2_requests
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The DP ranks this replica serves, in order.

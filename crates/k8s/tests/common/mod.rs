@@ -160,6 +160,18 @@ pub async fn snapshot_where(
 }
 
 pub async fn create_pool(client: &Client, ns: &str, name: &str, app: &str, ports: &[u16]) {
+    create_pool_with(client, ns, name, app, ports, None).await;
+}
+
+/// [`create_pool`] with a `spec.appProtocol`.
+pub async fn create_pool_with(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    app: &str,
+    ports: &[u16],
+    app_protocol: Option<&str>,
+) {
     let api: Api<InferencePool> = Api::namespaced(client.clone(), ns);
     let pool = InferencePool::new(
         name,
@@ -168,7 +180,7 @@ pub async fn create_pool(client: &Client, ns: &str, name: &str, app: &str, ports
                 match_labels: [("app".to_owned(), app.to_owned())].into(),
             },
             target_ports: ports.iter().map(|&number| TargetPort { number }).collect(),
-            app_protocol: None,
+            app_protocol: app_protocol.map(str::to_owned),
             endpoint_picker_ref: None,
         },
     );

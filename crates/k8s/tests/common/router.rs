@@ -50,6 +50,11 @@ impl Replicas {
         }
     }
 
+    /// The replica listening on `ip`.
+    pub fn server(&self, ip: &str) -> &Server {
+        &self.servers[ip]
+    }
+
     pub async fn at(&mut self, ip: &str) -> String {
         if !self.servers.contains_key(ip) {
             let s = replica_at(ip, self.port).await;
