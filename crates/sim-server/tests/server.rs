@@ -543,7 +543,9 @@ async fn dropped_duplicated_and_reordered_events_still_end_in_the_engine_blocks(
         .iter()
         .all(|b| index.read().holds(w, *b, Tier::Gpu)));
     let h = plane.health(w).unwrap();
-    assert!(h.gaps > 0 && h.resets > 0, "faults were injected: {h:?}");
+    // Drops show as gaps; copies and reorders as repeats the replay proved, never as restarts.
+    assert!(h.gaps > 0 && h.repeats > 0, "faults were injected: {h:?}");
+    assert_eq!(h.resets, 0, "{h:?}");
     plane.shutdown().await;
     server.shutdown();
 }
