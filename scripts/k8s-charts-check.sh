@@ -53,6 +53,7 @@ lint_and_template() {
     check "lint kinference-crds installInferencePool=true" helm lint --strict "$CRDS" --set installInferencePool=true
     k create namespace chart-ci >/dev/null
     k create namespace models >/dev/null
+    k create namespace monitoring >/dev/null
     local f name
     for f in "$CHART"/ci/*.yaml; do
         name=$(basename "$f" .yaml)
@@ -70,6 +71,14 @@ print(yaml.safe_dump_all(docs))' "$WORK/$name.yaml" >"$WORK/$name.server.yaml"
     if grep -q "kind: ServiceMonitor" "$WORK/xxhash-monitoring-values.yaml"; then
         ok "ServiceMonitor rendered when enabled"
     else bad "no ServiceMonitor rendered when enabled"; fi
+    if "$PY" -c 'import json, sys, yaml
+docs = [d for d in yaml.safe_load_all(open(sys.argv[1])) if d]
+cm = [d for d in docs if d["kind"] == "ConfigMap" and d["metadata"].get("labels", {}).get("grafana_dashboard") == "1"]
+assert len(cm) == 1 and cm[0]["metadata"]["namespace"] == "monitoring", cm
+dash = json.loads(cm[0]["data"]["kinference.json"])
+assert dash["uid"] == "kinference-router" and dash["panels"], dash.keys()' "$WORK/xxhash-monitoring-values.yaml"; then
+        ok "Grafana dashboard ConfigMap rendered when enabled (sidecar label, valid JSON)"
+    else bad "no valid Grafana dashboard ConfigMap rendered when enabled"; fi
     check "template kinference-crds installInferencePool=true" helm template c "$CRDS" --set installInferencePool=true
     if grep -q "name: inferencepools.inference.networking.k8s.io" "$WORK/out"; then
         ok "InferencePool CRD rendered with installInferencePool=true"

@@ -4,11 +4,13 @@
 //! Output is one line per item (a block, a batch) so it can be piped; `--json` makes every line a
 //! JSON object. Errors go to stderr with a non-zero exit status. `hash` takes token ids, or text
 //! with `--tokenizer DIR` (`--prompt` for completions, `--messages` for chat), tokenized exactly
-//! as vLLM would. `status` and `explain` read a running router's admin port: the fleet it
-//! sees, and where it would send a request body and why.
+//! as vLLM would. `status`, `explain`, `savings` and `top` read a running router's admin port:
+//! the fleet it sees, where it would send a request body and why, what its cache hits saved,
+//! and a live view of all of it.
 
 mod doctor;
 mod explain;
+mod savings;
 mod status;
 
 use std::io::{self, BufWriter, Write};
@@ -49,6 +51,12 @@ enum Command {
     /// Show where a running router would send a request body (--body FILE or stdin) and why:
     /// every candidate's cached blocks, predicted cached tokens, load and score.
     Explain(explain::ExplainArgs),
+    /// Show what a running router's cache hits saved since it started: prefill tokens not
+    /// recomputed, GPU-seconds, kWh and dollars, per pool.
+    Savings(savings::SavingsArgs),
+    /// A live view of a running router in the terminal: savings, rates, hit rates, TTFT,
+    /// decisions and every replica's load and event stream; q or Ctrl-C quits.
+    Top(savings::TopArgs),
 }
 
 #[derive(Debug, clap::Args)]
@@ -208,6 +216,9 @@ fn main() -> ExitCode {
         }),
         Command::Explain(args) => explain::run(&args)
             .and_then(|text| out.write_all(text.as_bytes()).context("writing to stdout")),
+        Command::Savings(args) => savings::savings(&args)
+            .and_then(|text| out.write_all(text.as_bytes()).context("writing to stdout")),
+        Command::Top(args) => savings::top(&args),
     };
     let flushed = out.flush().context("writing to stdout");
     match result.and(flushed) {

@@ -103,6 +103,11 @@ impl Admin {
         &self.base
     }
 
+    /// Runs `f` on the client's runtime (timers and signals included).
+    pub fn block_on<F: std::future::Future>(&self, f: F) -> F::Output {
+        self.rt.block_on(f)
+    }
+
     /// `GET path`, decoding a `T` from any status in `ok` and naming the router's error
     /// otherwise.
     pub fn get<T: DeserializeOwned>(&self, path: &str, ok: &[u16]) -> Result<T> {

@@ -495,3 +495,123 @@ async fn status_and_explain_read_a_token_guarded_router_with_the_token_only() {
         s.shutdown();
     }
 }
+
+/// A second request on the first one's prefix is served from the replica's cache: `kinfctl
+/// savings` reports the cached tokens the replica returned in `usage`, the GPU-seconds the
+/// savings model charges for them (the function `kinference bench` uses), the same figures
+/// as `/metrics`, and `kinfctl top --once` shows them with the fleet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn savings_and_top_report_what_the_replicas_served_from_cache() {
+    let (_sims, proxy) = fleet().await;
+    let admin = url(proxy.admin_addr());
+    serve_first(&proxy).await;
+    let second =
+        json!({"model": MODEL, "prompt": prompt("And what does savings print?"), "max_tokens": 4});
+    let body: Value = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", proxy.data_addr()))
+        .json(&second)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    let cached = body["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap();
+    assert!(cached >= BLOCK * 20, "the prefix was not cached: {body}");
+    let want = kinference_proxy::SavingsModel::builtin("llama-3.1-8b-h100x1")
+        .unwrap()
+        .saved(prompt_tokens as u32, cached);
+
+    // The first request found nothing cached: it adds a request but no tokens.
+    let run = kinfctl(args(&["savings", "--admin", &admin, "--json"]), None).await;
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let s: kinference_proxy::api::SavingsResponse = serde_json::from_str(&run.stdout).unwrap();
+    assert_eq!(s.total.requests_observed, 2, "{s:?}");
+    assert_eq!(s.total.saved_prefill_tokens, cached);
+    assert!(
+        (s.total.saved_gpu_seconds - want.gpu_seconds).abs() < 1e-12,
+        "{s:?} vs {want:?}"
+    );
+    assert!(want.gpu_seconds > 0.0);
+    assert!((s.total.saved_usd - want.gpu_seconds / 3600.0 * 2.0).abs() < 1e-12);
+    assert!((s.total.saved_kwh - want.gpu_seconds * 700.0 / 3.6e6).abs() < 1e-12);
+
+    let page = reqwest::get(format!("{admin}/metrics"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let pool = format!("{{pool=\"{MODEL}\"}}");
+    assert_eq!(
+        kinference_testkit::metric(
+            &page,
+            &format!("kinference_saved_prefill_tokens_total{pool}")
+        ),
+        cached as f64
+    );
+    let gpu_s = kinference_testkit::metric(
+        &page,
+        &format!("kinference_saved_prefill_gpu_seconds_total{pool}"),
+    );
+    assert!((gpu_s - want.gpu_seconds).abs() < 1e-12, "{gpu_s}");
+    assert_eq!(
+        kinference_testkit::metric(&page, "kinference_savings_usd_per_gpu_hour"),
+        2.0
+    );
+
+    let run = kinfctl(args(&["savings", "--admin", &admin]), None).await;
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let cells = row(&run.stdout, 0, MODEL);
+    assert_eq!(cells[1], "2", "{}", run.stdout);
+    assert_eq!(cells[2], cached.to_string(), "{}", run.stdout);
+    assert!(run.stdout.contains("llama-3.1-8b-h100x1"), "{}", run.stdout);
+
+    let run = kinfctl(args(&["top", "--admin", &admin, "--once"]), None).await;
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert!(
+        run.stdout
+            .contains(&format!("saved since start: {cached} prefill tokens")),
+        "{}",
+        run.stdout
+    );
+    for r in &proxy_replicas(&admin).await {
+        assert!(
+            run.stdout.contains(r.as_str()),
+            "{r} missing:\n{}",
+            run.stdout
+        );
+    }
+    let run = kinfctl(
+        args(&[
+            "top",
+            "--admin",
+            &admin,
+            "--iterations",
+            "2",
+            "--interval-ms",
+            "50",
+        ]),
+        None,
+    )
+    .await;
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    assert_eq!(run.stdout.matches("saved since start").count(), 2);
+}
+
+async fn proxy_replicas(admin: &str) -> Vec<String> {
+    let fleet: ReplicasResponse = reqwest::get(format!("{admin}/debug/replicas"))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    fleet.pools[0]
+        .replicas
+        .iter()
+        .map(|r| r.url.clone())
+        .collect()
+}

@@ -94,15 +94,20 @@ pub struct DemoArgs {
     /// Price of one GPU-hour, US dollars.
     #[arg(long, default_value_t = 2.0)]
     usd_per_gpu_hour: f64,
-    /// After the comparison, leave the replicas and a precise router running (Ctrl-C stops).
-    #[arg(long)]
-    keep_up: bool,
-    /// The router's OpenAI port with --keep-up.
+    /// After the comparison, leave the replicas and a precise router running, with its live
+    /// dashboard, until Ctrl-C.
+    #[arg(long, alias = "keep-up")]
+    keep: bool,
+    /// The router's OpenAI port with --keep.
     #[arg(long, default_value = "127.0.0.1:8080")]
     listen: String,
-    /// The router's admin port (metrics, /debug/explain) with --keep-up.
+    /// The router's admin port (dashboard, metrics, /debug/explain) with --keep.
     #[arg(long, default_value = "127.0.0.1:9090")]
     admin: String,
+    /// More log lines: -v for the router's and replicas' info lines, -vv for debug (by
+    /// default only warnings; RUST_LOG overrides both).
+    #[arg(short, long, action = clap::ArgAction::Count)]
+    pub verbose: u8,
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
@@ -140,7 +145,7 @@ async fn demo(args: &DemoArgs, scratch: &Path) -> anyhow::Result<()> {
     let mut runs: Vec<PolicyRun> = Vec::new();
     for policy in &args.policies {
         let mut result =
-            through_router(policy, &tokenizer_dir, &fleet, &workload, &options).await?;
+            through_router(args, policy, &tokenizer_dir, &fleet, &workload, &options).await?;
         runs.append(&mut result);
     }
     let run = RunReport {
@@ -158,8 +163,8 @@ async fn demo(args: &DemoArgs, scratch: &Path) -> anyhow::Result<()> {
         started.elapsed().as_secs_f64(),
         args.out.display()
     );
-    if args.keep_up {
-        keep_up(args, &tokenizer_dir, &fleet.specs).await?;
+    if args.keep {
+        keep_up(args, &tokenizer_dir, &fleet, &workload, &options).await?;
     }
     for s in fleet.servers {
         s.shutdown();
@@ -297,13 +302,14 @@ fn live_options(
 
 /// The workload through a fresh router with `policy` in front of the replicas.
 async fn through_router(
+    args: &DemoArgs,
     policy: &str,
     tokenizer_dir: &Path,
     fleet: &Replicas,
     workload: &Workload,
     options: &LiveOptions,
 ) -> anyhow::Result<Vec<PolicyRun>> {
-    let proxy = start_router(policy, tokenizer_dir, &fleet.specs, None).await?;
+    let proxy = start_router(policy, tokenizer_dir, &fleet.specs, args, false).await?;
     // Events first: a router that misses the first batches would start cold.
     for r in &fleet.specs {
         proxy
@@ -311,31 +317,97 @@ async fn through_router(
             .await
             .with_context(|| format!("the {policy} router's event stream from {}", r.url))?;
     }
-    eprintln!(
-        "demo: {} requests through the {policy} router at http://{} ...",
-        workload.requests.len(),
-        proxy.data_addr()
-    );
     let target = LiveTarget::in_front_of(
         policy,
         format!("http://{}", proxy.data_addr()),
         &fleet.urls(),
     );
-    let mut last = Instant::now();
+    let mut bar = ProgressBar::new(policy, workload.requests.len());
     let result = kinference_bench::live::run_targets(
         workload,
         std::slice::from_ref(&target),
         options,
-        &mut |p| {
-            if last.elapsed() > Duration::from_secs(2) {
-                last = Instant::now();
-                eprintln!("demo:   {}/{} done", p.done, p.total);
-            }
-        },
+        &mut |p| bar.update(p.done),
     )
-    .await?;
+    .await;
+    bar.finish();
     proxy.shutdown().await;
-    Ok(result)
+    Ok(result?)
+}
+
+/// One policy's run on stderr: a bar redrawn in place on a terminal, a line per tenth of
+/// the requests otherwise (a log file gets no carriage returns).
+struct ProgressBar {
+    label: String,
+    total: usize,
+    done: usize,
+    terminal: bool,
+    drawn: Option<Instant>,
+    /// `done` when the bar was last drawn.
+    drawn_done: usize,
+    started: Instant,
+}
+
+impl ProgressBar {
+    const WIDTH: usize = 32;
+
+    fn new(label: &str, total: usize) -> Self {
+        use std::io::IsTerminal;
+        let mut bar = ProgressBar {
+            label: format!("{label:>12}"),
+            total: total.max(1),
+            done: 0,
+            terminal: std::io::stderr().is_terminal(),
+            drawn: None,
+            drawn_done: 0,
+            started: Instant::now(),
+        };
+        bar.draw();
+        bar
+    }
+
+    fn update(&mut self, done: usize) {
+        let tenth = |n: usize| n * 10 / self.total;
+        let due = if self.terminal {
+            self.drawn
+                .is_none_or(|t| t.elapsed() >= Duration::from_millis(100))
+        } else {
+            tenth(done) > tenth(self.done)
+        };
+        self.done = done;
+        if due {
+            self.drawn = Some(Instant::now());
+            self.draw();
+        }
+    }
+
+    fn draw(&mut self) {
+        self.drawn_done = self.done;
+        let filled = (self.done.min(self.total) * Self::WIDTH) / self.total;
+        let line = format!(
+            "{} [{}{}] {}/{} requests, {:.0} s",
+            self.label,
+            "#".repeat(filled),
+            "-".repeat(Self::WIDTH - filled),
+            self.done,
+            self.total,
+            self.started.elapsed().as_secs_f64()
+        );
+        if self.terminal {
+            eprint!("\r{line}");
+        } else {
+            eprintln!("{line}");
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.terminal || self.drawn_done != self.done {
+            self.draw();
+        }
+        if self.terminal {
+            eprintln!();
+        }
+    }
 }
 
 /// results.json, report.md and the plots under `--out`.
@@ -365,29 +437,56 @@ fn write_report(
     Ok(())
 }
 
-/// `--keep-up`: a precise router on the fixed ports until Ctrl-C.
+/// `--keep`: a precise router on the fixed ports until Ctrl-C, with the workload replayed
+/// through it over and over so that its dashboard has something to show.
 async fn keep_up(
     args: &DemoArgs,
     tokenizer_dir: &Path,
-    replicas: &[ReplicaSpec],
+    fleet: &Replicas,
+    workload: &Workload,
+    options: &LiveOptions,
 ) -> anyhow::Result<()> {
-    let proxy = start_router("precise", tokenizer_dir, replicas, Some(args)).await?;
+    let proxy = start_router("precise", tokenizer_dir, &fleet.specs, args, true).await?;
+    let target = LiveTarget::in_front_of(
+        "precise",
+        format!("http://{}", proxy.data_addr()),
+        &fleet.urls(),
+    );
+    let (workload, options) = (workload.clone(), options.clone());
+    let traffic = tokio::spawn(async move {
+        loop {
+            let run = kinference_bench::live::run_targets(
+                &workload,
+                std::slice::from_ref(&target),
+                &options,
+                &mut |_| {},
+            )
+            .await;
+            if let Err(e) = run {
+                tracing::warn!(error = %e, "the demo's background traffic stopped");
+                return;
+            }
+        }
+    });
     println!(
-        "\nThe replicas and a precise router stay up (Ctrl-C stops them):\n  \
+        "\nThe replicas and a precise router stay up (Ctrl-C stops them).\n\
+         Live dashboard: http://{}/dashboard\n  \
          curl http://{}/v1/chat/completions -H 'Content-Type: application/json' \\\n    \
          -d '{{\"model\":\"{MODEL}\",\"messages\":[{{\"role\":\"user\",\"content\":\"hello\"}}]}}'\n  \
          curl http://{}/metrics\n  \
          curl -X POST http://{}/debug/explain -d '{{\"model\":\"{MODEL}\",\"prompt\":\"hello\"}}'\n  \
          curl http://{}/debug/replicas",
+        proxy.admin_addr(),
         proxy.data_addr(),
         proxy.admin_addr(),
         proxy.admin_addr(),
         proxy.admin_addr()
     );
-    tokio::signal::ctrl_c()
-        .await
-        .context("waiting for Ctrl-C")?;
+    eprintln!("demo: the workload is replayed through this router until Ctrl-C");
+    let waited = tokio::signal::ctrl_c().await.context("waiting for Ctrl-C");
+    traffic.abort();
     proxy.shutdown().await;
+    waited?;
     Ok(())
 }
 
@@ -398,18 +497,23 @@ struct SimFlags {
     args: SimArgs,
 }
 
+/// A router with `policy` in front of `replicas`, its savings charged with the demo's profile
+/// and price; on `--listen` and `--admin` when `fixed_ports`, else on ports the OS picks.
 async fn start_router(
     policy: &str,
     tokenizer: &Path,
     replicas: &[ReplicaSpec],
-    keep_up: Option<&DemoArgs>,
+    args: &DemoArgs,
+    fixed_ports: bool,
 ) -> anyhow::Result<Proxy> {
     let mut pool = PoolConfig::new(MODEL, tokenizer, BLOCK_SIZE);
     pool.policy = kinference_proxy::parse_policy(policy).map_err(|e| anyhow::anyhow!(e))?;
     pool.replicas = replicas.to_vec();
+    pool.savings_profile = args.profile.clone();
     let mut config = Config::new(vec![pool]);
     config.scrape.interval_ms = 250;
-    let (data, admin) = match keep_up {
+    config.savings.usd_per_gpu_hour = args.usd_per_gpu_hour;
+    let (data, admin) = match fixed_ports.then_some(args) {
         Some(a) => (
             TcpListener::bind(&a.listen)
                 .await

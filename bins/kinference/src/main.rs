@@ -48,10 +48,20 @@ enum Command {
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    // The demo speaks to a newcomer: its own lines and the table, warnings only from the
+    // router and the replicas unless asked (-v).
+    let level = match &cli.command {
+        Command::Demo(a) => match a.verbose {
+            0 => "warn",
+            1 => "info",
+            _ => "debug",
+        },
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level)),
         )
         .with_writer(std::io::stderr)
         .init();

@@ -52,6 +52,10 @@ pub struct ServeArgs {
     /// One-pool fleet: header carrying the session key for session-affinity.
     #[arg(long, env = "KINFERENCE_SESSION_HEADER")]
     session_header: Option<String>,
+    /// One-pool fleet: the GPU timing profile savings are charged with [default:
+    /// llama-3.1-8b-h100x1].
+    #[arg(long, env = "KINFERENCE_SAVINGS_PROFILE")]
+    savings_profile: Option<String>,
     // The help is an attribute, not a doc comment: its `[...]` are option syntax, not links.
     #[arg(
         long = "replica",
@@ -152,6 +156,12 @@ pub struct ServeArgs {
     /// Serve the admin port's /metrics without the token.
     #[arg(long, env = "KINFERENCE_ADMIN_OPEN_METRICS")]
     admin_open_metrics: bool,
+    /// Price of one GPU-hour in US dollars, for the savings the admin port reports [default: 2.0].
+    #[arg(long, env = "KINFERENCE_USD_PER_GPU_HOUR")]
+    usd_per_gpu_hour: Option<f64>,
+    /// Power of one GPU in watts, for the energy saved [default: 700].
+    #[arg(long, env = "KINFERENCE_GPU_WATTS")]
+    gpu_watts: Option<f64>,
 }
 
 /// The environment variable holding the admin token itself.
@@ -167,6 +177,7 @@ impl ServeArgs {
             || self.policy.is_some()
             || self.session_header.is_some()
             || self.tokenizer_cache_bytes.is_some()
+            || self.savings_profile.is_some()
             || !self.replicas.is_empty()
             || self.inference_pool.is_some()
     }
@@ -247,6 +258,9 @@ impl ServeArgs {
         pool.session_header = self.session_header.clone();
         if let Some(b) = self.tokenizer_cache_bytes {
             pool.tokenizer_cache_bytes = b;
+        }
+        if let Some(p) = &self.savings_profile {
+            pool.savings_profile = p.clone();
         }
         pool.replicas = replicas;
         pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {
@@ -334,6 +348,12 @@ impl ServeArgs {
         }
         if self.admin_open_metrics {
             cfg.admin_auth.open_metrics = true;
+        }
+        if let Some(v) = self.usd_per_gpu_hour {
+            cfg.savings.usd_per_gpu_hour = v;
+        }
+        if let Some(v) = self.gpu_watts {
+            cfg.savings.gpu_watts = v;
         }
         if let Some(v) = self.max_body_bytes {
             cfg.limits.max_body_bytes = v;

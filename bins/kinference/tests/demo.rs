@@ -1,5 +1,7 @@
 //! Runs `kinference demo` on a small workload: both policies complete every request through
-//! their router, and the table, results.json and report land where they should.
+//! their router, and the table, results.json and report land where they should; by default
+//! the demo's own lines and one progress bar per policy are all stderr shows (no info lines
+//! from the router or the replicas).
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -24,12 +26,23 @@ fn demo_compares_round_robin_and_precise_end_to_end() {
             "--out",
         ])
         .arg(&out_dir)
-        .env("RUST_LOG", "warn")
+        .env_remove("RUST_LOG")
         .output()
         .unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(
+        !stderr.contains(" INFO ") && !stderr.contains(" DEBUG "),
+        "the demo is quiet by default:\n{stderr}"
+    );
+    for policy in ["round-robin", "precise"] {
+        assert!(
+            stderr.lines().any(|l| l.trim_start().starts_with(policy)
+                && l.contains(&format!("[{}] 24/24 requests", "#".repeat(32)))),
+            "no finished progress bar for {policy}:\n{stderr}"
+        );
+    }
     assert!(stdout.contains("| round-robin |"), "{stdout}");
     assert!(stdout.contains("| precise |"), "{stdout}");
     assert!(

@@ -96,23 +96,10 @@ pub struct SimRun {
 }
 
 /// Seconds of GPU compute the timing model charges for prefilling `prompt - cached` tokens on
-/// top of `cached` tokens already in the KV cache: the request's linear and attention work,
-/// measured as the difference it makes to a compute-bound reference step, so the per-step
-/// overhead and the weight-streaming floor (paid by every step, prefill or not) cancel out.
+/// top of `cached` tokens already in the KV cache ([`TimingModel::request_prefill_seconds`],
+/// which the router's savings counters use too).
 pub fn prefill_secs(timing: &TimingModel, prompt: usize, cached: usize) -> f64 {
-    let reference = BatchItem {
-        new_tokens: 8192,
-        context_tokens: 0,
-        samples: false,
-    };
-    let item = BatchItem {
-        new_tokens: u32::try_from(prompt.saturating_sub(cached)).unwrap_or(u32::MAX),
-        context_tokens: u32::try_from(cached).unwrap_or(u32::MAX),
-        samples: true,
-    };
-    let with = timing.step_duration(&[reference, item]).as_secs_f64();
-    let without = timing.step_duration(&[reference]).as_secs_f64();
-    (with - without).max(0.0)
+    timing.request_prefill_seconds(prompt, cached)
 }
 
 /// Engine-seconds the workload would cost with no cache hits: each prompt's prefill plus its

@@ -1,14 +1,19 @@
 //! The admin port: Prometheus `/metrics`, `/livez` (= `/healthz`), `/readyz`,
-//! `POST /debug/explain` and `GET /debug/replicas`. Nothing here forwards a request or changes
-//! routing state.
+//! `POST /debug/explain`, `GET /debug/replicas`, `GET /debug/savings`, `GET /debug/dashboard`
+//! and the `/dashboard` page that draws the last one. Nothing here forwards a request or
+//! changes routing state.
 //!
 //! Invariants: `/debug/explain` runs the same parsing, tokenization and `select` as the data
 //! plane, without `apply`, so explaining a request never changes where the next one goes.
 //! With a token configured (`admin_auth`), every path but the probes needs
 //! `Authorization: Bearer TOKEN` (`/metrics` too unless `open_metrics`), compared in constant
-//! time; a refusal is a 401 in OpenAI's error shape, counted.
+//! time; a refusal is a 401 in OpenAI's error shape, counted. The dashboard's page and
+//! assets (`/dashboard`, compiled into the binary) hold no data and are served without the
+//! token: the page asks for it and sends it as that header when it reads `/debug/dashboard`.
 
 use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -20,12 +25,14 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use subtle::ConstantTimeEq;
 
-use crate::api::{ErrorBody, ErrorDetail};
+use crate::api::{DashboardResponse, ErrorBody, ErrorDetail};
 use crate::body::read_body;
 use crate::config::AdminToken;
+use crate::dashboard::{self, History, Totals};
 use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
+use crate::savings::Prices;
 use crate::snapshot;
 
 /// What the admin handlers share.
@@ -37,6 +44,10 @@ pub(crate) struct AdminState {
     pub token: Option<AdminToken>,
     /// `/metrics` without the token.
     pub open_metrics: bool,
+    /// What the savings are valued at.
+    pub prices: Prices,
+    /// The dashboard's recent samples ([`sample`] adds them).
+    pub history: Mutex<History>,
 }
 
 impl AdminState {
@@ -79,6 +90,20 @@ pub(crate) fn router(state: Arc<AdminState>) -> Router {
         .route("/readyz", get(readyz))
         .route("/debug/explain", post(explain))
         .route("/debug/replicas", get(replicas))
+        .route("/debug/savings", get(savings))
+        .route("/debug/dashboard", get(dashboard_data))
+        .route(
+            "/dashboard",
+            get(|| asset(DASHBOARD_HTML, "text/html; charset=utf-8")),
+        )
+        .route(
+            "/dashboard/app.js",
+            get(|| asset(DASHBOARD_JS, "text/javascript; charset=utf-8")),
+        )
+        .route(
+            "/dashboard/app.css",
+            get(|| asset(DASHBOARD_CSS, "text/css; charset=utf-8")),
+        )
         .with_state(state)
 }
 
@@ -153,4 +178,68 @@ async fn replicas(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Respo
         return refused;
     }
     json_response(StatusCode::OK, &snapshot::take(&s.fleet))
+}
+
+async fn savings(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Some(refused) = s.refuse(&headers) {
+        return refused;
+    }
+    json_response(StatusCode::OK, &dashboard::savings(&s.fleet, s.prices))
+}
+
+async fn dashboard_data(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
+    if let Some(refused) = s.refuse(&headers) {
+        return refused;
+    }
+    let (history, reasons) = {
+        let h = s.history.lock();
+        (h.points(), h.reasons())
+    };
+    let body = DashboardResponse {
+        savings: dashboard::savings(&s.fleet, s.prices),
+        fleet: snapshot::take(&s.fleet),
+        reasons,
+        interval_secs: dashboard::INTERVAL.as_secs_f64(),
+        history,
+    };
+    json_response(StatusCode::OK, &body)
+}
+
+const DASHBOARD_HTML: &str = include_str!("../assets/dashboard.html");
+const DASHBOARD_JS: &str = include_str!("../assets/dashboard.js");
+const DASHBOARD_CSS: &str = include_str!("../assets/dashboard.css");
+
+async fn asset(body: &'static str, content_type: &'static str) -> Response {
+    let mut resp = (StatusCode::OK, body).into_response();
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    // Everything the page needs comes from this port: nothing from elsewhere may load.
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'",
+        ),
+    );
+    resp
+}
+
+/// Adds a point to the dashboard's history every [`dashboard::INTERVAL`], from the page
+/// `/metrics` would answer and the fleet snapshot; runs until aborted.
+pub(crate) async fn sample(s: Arc<AdminState>) {
+    let mut tick = tokio::time::interval(dashboard::INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let totals = Totals::from_page(&crate::metrics::render(&s.registry));
+        let loads = dashboard::loads(&snapshot::take(&s.fleet));
+        let saved: f64 = s
+            .fleet
+            .pools
+            .iter()
+            .map(|p| s.fleet.metrics.saved(&p.name).gpu_seconds)
+            .sum();
+        let t = s.fleet.now().as_secs_f64();
+        s.history.lock().push(t, totals, saved, loads);
+    }
 }

@@ -306,3 +306,90 @@ pub struct PoolReady {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub discovery_error: Option<String>,
 }
+
+/// `GET /debug/savings`: what the replicas' cache hits saved since the router started.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SavingsResponse {
+    /// Seconds since the router started.
+    pub uptime_secs: f64,
+    /// The price of a GPU-hour the money is computed with (`savings.usd_per_gpu_hour`).
+    pub usd_per_gpu_hour: f64,
+    /// The power of one GPU the energy is computed with (`savings.gpu_watts`).
+    pub gpu_watts: f64,
+    /// Every pool together.
+    pub total: SavingsFigures,
+    pub pools: Vec<PoolSavings>,
+}
+
+/// One pool's part of a [`SavingsResponse`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PoolSavings {
+    pub name: String,
+    /// The timing profile the GPU time is charged with (`savings_profile`).
+    pub profile: String,
+    /// GPUs per replica in that profile (all counted).
+    pub gpus_per_replica: u32,
+    #[serde(flatten)]
+    pub figures: SavingsFigures,
+}
+
+/// Savings since start. The tokens are those the replicas reported served from cache
+/// (`usage.prompt_tokens_details.cached_tokens`); a response that reports none adds nothing.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SavingsFigures {
+    /// Routed requests whose response reported its cached tokens.
+    pub requests_observed: u64,
+    /// Prefill tokens not recomputed.
+    pub saved_prefill_tokens: u64,
+    /// GPU-seconds of prefill they would have cost.
+    pub saved_gpu_seconds: f64,
+    pub saved_kwh: f64,
+    pub saved_usd: f64,
+}
+
+/// `GET /debug/dashboard`: what the `/dashboard` page and `kinfctl top` show.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DashboardResponse {
+    pub savings: SavingsResponse,
+    pub fleet: ReplicasResponse,
+    /// Routing decisions since start, by the reason the chosen worker won (all pools).
+    pub reasons: std::collections::BTreeMap<String, u64>,
+    /// Seconds between two [`HistoryPoint`]s.
+    pub interval_secs: f64,
+    /// The last samples, oldest first (a bounded window).
+    pub history: Vec<HistoryPoint>,
+}
+
+/// One sample of the fleet-wide rates, over the interval that ends at `t`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct HistoryPoint {
+    /// Seconds since the router started.
+    pub t: f64,
+    /// Requests answered per second (every route and status).
+    pub requests_per_s: f64,
+    /// Cached prompt tokens the policy predicted, over routed prompt tokens (`None`: none
+    /// routed in the interval).
+    pub predicted_hit_rate: Option<f64>,
+    /// Cached prompt tokens the replicas reported, over routed prompt tokens.
+    pub reported_hit_rate: Option<f64>,
+    /// Time to the first response byte as the router sees it, milliseconds, over the
+    /// interval's responses (from the `kinference_first_byte_seconds` buckets).
+    pub ttft_p50_ms: Option<f64>,
+    pub ttft_p90_ms: Option<f64>,
+    pub ttft_p99_ms: Option<f64>,
+    /// Saved prefill GPU-seconds since start, at `t`.
+    pub saved_gpu_seconds: f64,
+    /// Per replica: load at `t`.
+    pub load: Vec<ReplicaLoad>,
+}
+
+/// A replica's load in a [`HistoryPoint`], summed over its DP ranks.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaLoad {
+    pub replica: String,
+    pub running: u32,
+    pub waiting: u32,
+    pub in_flight: u32,
+    /// The highest KV usage of its ranks (0..=1).
+    pub kv_usage: f64,
+}

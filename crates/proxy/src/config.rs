@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::time::Duration;
 
+use crate::savings::{Prices, SavingsModel};
 use http::uri::Authority;
 use http::HeaderName;
 use kinference_policy::PolicyConfig;
@@ -48,6 +49,10 @@ pub struct Config {
     /// event loop (with its own upstream connections); `None` = one per CPU.
     #[serde(default)]
     pub threads: Option<usize>,
+    /// What a GPU-hour costs, for the savings the admin port reports (`/dashboard`,
+    /// `kinfctl savings`).
+    #[serde(default)]
+    pub savings: Prices,
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
 }
@@ -312,6 +317,14 @@ pub struct PoolConfig {
     /// Discover the replicas from a Kubernetes `InferencePool` instead of listing them.
     #[serde(default, rename = "inferencePool", alias = "inference_pool")]
     pub inference_pool: Option<InferencePoolRef>,
+    /// The GPU timing profile (`crates/sim/profiles`) the pool's savings are charged with:
+    /// what prefilling a prompt costs on its replicas, on how many GPUs each.
+    #[serde(default = "default_savings_profile")]
+    pub savings_profile: String,
+}
+
+fn default_savings_profile() -> String {
+    crate::savings::DEFAULT_PROFILE.to_owned()
 }
 
 /// A Kubernetes `InferencePool` (`inference.networking.k8s.io/v1`) whose ready pods are a
@@ -355,6 +368,7 @@ impl PoolConfig {
             events: None,
             replicas: Vec::new(),
             inference_pool: None,
+            savings_profile: default_savings_profile(),
         }
     }
 
@@ -660,6 +674,7 @@ impl Config {
             admin_auth: AdminAuth::default(),
             expose_endpoint_header: false,
             threads: None,
+            savings: Prices::default(),
             pools,
         }
     }
@@ -848,6 +863,9 @@ impl Config {
         if self.scrape.interval_ms > 0 && self.scrape.timeout_ms == 0 {
             errs.push("scrape.timeout_ms", "must be > 0");
         }
+        if let Some(problem) = self.savings.problem() {
+            errs.push("savings", problem);
+        }
         if self.pools.is_empty() {
             errs.push("pools", "at least one pool is needed");
         }
@@ -868,6 +886,7 @@ pub(crate) struct Resolved {
 pub(crate) struct ResolvedPool {
     pub hasher: BlockHasher,
     pub session_header: Option<HeaderName>,
+    pub savings: SavingsModel,
     /// In the order of [`PoolConfig::replicas`].
     pub replicas: Vec<ResolvedReplica>,
 }
@@ -1049,10 +1068,14 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
         }
     }
     check_shared_binds(pool, path, errs);
-    let hasher = hasher?;
+    let savings = SavingsModel::builtin(&pool.savings_profile)
+        .map_err(|e| errs.push(format!("{path}.savings_profile"), e.to_string()))
+        .ok();
+    let (hasher, savings) = (hasher?, savings?);
     (errs.0.len() == before).then_some(ResolvedPool {
         hasher,
         session_header,
+        savings,
         replicas,
     })
 }

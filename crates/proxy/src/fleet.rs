@@ -46,6 +46,7 @@ use crate::config::{
 use crate::error::{RequestError, StartError};
 use crate::limits::{Gate, QueueLabel};
 use crate::metrics::Metrics;
+use crate::savings::SavingsModel;
 use crate::upstream::Upstream;
 
 /// Settings the request path reads.
@@ -82,6 +83,18 @@ impl Fleet {
     /// Time since start on tokio's clock: the policies' time axis.
     pub fn now(&self) -> Duration {
         self.started.elapsed()
+    }
+
+    /// A routed response of `pool` whose replica reported `actual` of its `prompt_tokens`
+    /// served from cache, where the policy predicted `predicted`.
+    pub fn record_usage(&self, pool: &str, prompt_tokens: u32, predicted: u32, actual: u64) {
+        let saved = self
+            .pools
+            .iter()
+            .find(|p| p.name == pool)
+            .map(|p| p.savings.saved(prompt_tokens, actual))
+            .unwrap_or_default();
+        self.metrics.record_usage(pool, predicted, actual, saved);
     }
 
     /// The pool serving `model` (the first pool when the request names none).
@@ -190,6 +203,8 @@ pub(crate) struct Pool {
     /// Why the pool's replicas cannot be read now (a discovered pool only).
     pub discovery: Mutex<DiscoveryState>,
     tickets: AtomicU64,
+    /// What a cache hit on this pool's replicas saves (`savings_profile`).
+    pub savings: SavingsModel,
     /// Prompt tokens of the requests the policy placed and a replica took, and of those the
     /// tokens the policy expected the chosen replica to have cached (the predicted hit rate).
     routed_prompt_tokens: AtomicU64,
@@ -736,6 +751,7 @@ async fn build_pool(
         members: Mutex::new(BTreeMap::new()),
         discovery: Mutex::new(DiscoveryState::default()),
         tickets: AtomicU64::new(0),
+        savings: rp.savings,
         routed_prompt_tokens: AtomicU64::new(0),
         predicted_cached_tokens: AtomicU64::new(0),
     };

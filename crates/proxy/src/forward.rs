@@ -79,6 +79,13 @@ impl Accounting {
         }
     }
 
+    fn prompt_tokens(&self) -> u32 {
+        match self {
+            Accounting::Routed { prompt_tokens, .. } => *prompt_tokens,
+            Accounting::Passthrough => 0,
+        }
+    }
+
     /// Predicted uncached prompt tokens for a target.
     fn prefill(&self, t: &Target) -> u64 {
         match self {
@@ -273,6 +280,7 @@ fn respond(
             route: req.route,
             replica: t.replica.url().to_owned(),
             pool: req.accounting.pool().map(str::to_owned),
+            prompt_tokens: req.accounting.prompt_tokens(),
             predicted_cached: t.predicted_cached,
             start: req.start,
         },
@@ -310,6 +318,7 @@ struct Observer {
     route: &'static str,
     replica: String,
     pool: Option<String>,
+    prompt_tokens: u32,
     predicted_cached: u32,
     start: Instant,
 }
@@ -358,7 +367,12 @@ impl UpstreamBody {
             &self.obs.pool,
             self.scanner.as_ref().and_then(UsageScanner::cached_tokens),
         ) {
-            m.record_usage(pool, self.obs.predicted_cached, actual);
+            self.obs.fleet.record_usage(
+                pool,
+                self.obs.prompt_tokens,
+                self.obs.predicted_cached,
+                actual,
+            );
         }
         self.guard = None;
         self.admitted = None;

@@ -31,8 +31,9 @@
 //!  discovered pools: PoolMembers handles (join / leave, and new tokenizer, hashing or
 //!                    policy, while running; see members.rs)
 //!  per pool:    EventPlane (ZMQ SUB per DP rank → index), policy expiry task
-//!  admin port:  /metrics /livez /healthz /readyz /debug/explain /debug/replicas (a bearer
-//!               token for all but the probes when admin_auth has one)
+//!  admin port:  /metrics /livez /healthz /readyz /debug/explain /debug/replicas
+//!               /debug/savings /debug/dashboard /dashboard (a bearer token for all but the
+//!               probes and the dashboard's static page when admin_auth has one)
 //! ```
 //!
 //! # Invariants
@@ -70,11 +71,13 @@ pub mod config;
 pub mod error;
 mod limits;
 mod metrics;
+pub mod savings;
 mod usage;
 // Talking to replicas:
 mod link;
 mod upstream;
 // The live fleet and what keeps it current:
+mod dashboard;
 mod discovery;
 mod fleet;
 mod members;
@@ -110,6 +113,7 @@ pub use config::{
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers, ReconfigureError};
 pub use pick::{Pick, PickRequest, Picker};
+pub use savings::{Prices, Saved, SavingsModel};
 
 use crate::admin::AdminState;
 use crate::fleet::Fleet;
@@ -215,7 +219,7 @@ impl Proxy {
         let fleet = Arc::new(fleet);
         let registry = {
             let fleet = fleet.clone();
-            metrics.registry(Arc::new(move || snapshot::take(&fleet)))
+            metrics.registry(Arc::new(move || snapshot::take(&fleet)), config.savings)
         };
         let mut background = Vec::new();
         for d in discoveries {
@@ -271,12 +275,16 @@ impl Proxy {
                 (addr, vec![tokio::spawn(front)])
             }
         };
-        let admin_app = admin::router(Arc::new(AdminState {
+        let admin_state = Arc::new(AdminState {
             fleet: fleet.clone(),
             registry,
             token: resolved_admin_token,
             open_metrics: config.admin_auth.open_metrics,
-        }));
+            prices: config.savings,
+            history: Default::default(),
+        });
+        background.push(tokio::spawn(admin::sample(admin_state.clone())));
+        let admin_app = admin::router(admin_state);
         // The admin port has places of its own: a flood of the data port must not cut off
         // probes and scrapes.
         servers.push(tokio::spawn(conn::serve(

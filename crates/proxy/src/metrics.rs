@@ -12,6 +12,7 @@
 use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::hash::Hash;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use parking_lot::{MappedRwLockReadGuard, Mutex};
@@ -21,13 +22,14 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::api::{Health, ReplicasResponse};
 use crate::limits::LimitMetrics;
+use crate::savings::{Prices, Saved};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct RequestLabels {
@@ -177,6 +179,10 @@ pub(crate) struct Metrics {
     pub cached_tokens: Family<PoolKind, Counter>,
     pub usage_observed: Family<PoolLabel, Counter>,
     pub prompt_tokens: Family<PoolLabel, Counter>,
+    /// Prompt tokens the replicas reported served from cache (`crate::savings`).
+    pub saved_tokens: Family<PoolLabel, Counter>,
+    /// The prefill GPU-seconds those tokens would have cost (`crate::savings`).
+    pub saved_gpu_seconds: Family<PoolLabel, Counter<f64, AtomicU64>>,
     /// `kind` = connect | unavailable.
     pub retries: Family<PoolKind, Counter>,
     pub router_errors: Family<KindLabel, Counter>,
@@ -202,6 +208,8 @@ impl Metrics {
             cached_tokens: Family::default(),
             usage_observed: Family::default(),
             prompt_tokens: Family::default(),
+            saved_tokens: Family::default(),
+            saved_gpu_seconds: Family::default(),
             retries: Family::default(),
             router_errors: Family::default(),
             upstream_failures: ReplicaFamily::new(Family::default()),
@@ -214,8 +222,8 @@ impl Metrics {
     }
 
     /// A routed response that reported its cached tokens: the prediction it was routed on
-    /// against what the replica says it served from cache.
-    pub fn record_usage(&self, pool: &str, predicted: u32, actual: u64) {
+    /// against what the replica says it served from cache, and what that hit `saved`.
+    pub fn record_usage(&self, pool: &str, predicted: u32, actual: u64, saved: Saved) {
         let pk = |kind| PoolKind {
             pool: pool.to_owned(),
             kind,
@@ -226,11 +234,33 @@ impl Metrics {
         self.cached_tokens
             .get_or_create(&pk("actual"))
             .inc_by(actual);
-        self.usage_observed
-            .get_or_create(&PoolLabel {
-                pool: pool.to_owned(),
-            })
-            .inc();
+        let pl = PoolLabel {
+            pool: pool.to_owned(),
+        };
+        self.usage_observed.get_or_create(&pl).inc();
+        self.saved_tokens.get_or_create(&pl).inc_by(saved.tokens);
+        self.saved_gpu_seconds
+            .get_or_create(&pl)
+            .inc_by(saved.gpu_seconds);
+    }
+
+    /// A pool's routed requests whose response reported cached tokens, since start.
+    pub fn usage_count(&self, pool: &str) -> u64 {
+        let pl = PoolLabel {
+            pool: pool.to_owned(),
+        };
+        self.usage_observed.get(&pl).map_or(0, |c| c.get())
+    }
+
+    /// A pool's savings since start: (tokens, GPU-seconds).
+    pub fn saved(&self, pool: &str) -> Saved {
+        let pl = PoolLabel {
+            pool: pool.to_owned(),
+        };
+        Saved {
+            tokens: self.saved_tokens.get(&pl).map_or(0, |c| c.get()),
+            gpu_seconds: self.saved_gpu_seconds.get(&pl).map_or(0.0, |c| c.get()),
+        }
     }
 
     /// Removes the series of replicas `keep` rejects (ones no longer in the fleet); returns
@@ -243,8 +273,9 @@ impl Metrics {
     }
 
     /// Registers every family, and a collector rendering the fleet's state from `snapshot`
-    /// at each scrape.
-    pub fn registry(&self, snapshot: Snapshotter) -> Registry {
+    /// at each scrape; `prices` are exposed as gauges so a dashboard can turn saved
+    /// GPU-seconds into kWh and money.
+    pub fn registry(&self, snapshot: Snapshotter, prices: Prices) -> Registry {
         let mut r = Registry::default();
         r.register(
             "kinference_requests",
@@ -282,6 +313,32 @@ impl Metrics {
             "kinference_routed_prompt_tokens",
             "Prompt tokens of routed requests, as the router tokenized them",
             self.prompt_tokens.clone(),
+        );
+        r.register(
+            "kinference_saved_prefill_tokens",
+            "Prompt tokens the replicas reported served from cache \
+             (usage.prompt_tokens_details.cached_tokens) instead of prefilled, by pool",
+            self.saved_tokens.clone(),
+        );
+        r.register(
+            "kinference_saved_prefill_gpu_seconds",
+            "GPU-seconds of prefill those cached tokens would have cost, from the pool's timing \
+             profile (savings_profile), counting every GPU of a replica",
+            self.saved_gpu_seconds.clone(),
+        );
+        let usd: Gauge<f64, AtomicU64> = Gauge::default();
+        usd.set(prices.usd_per_gpu_hour);
+        r.register(
+            "kinference_savings_usd_per_gpu_hour",
+            "The price of a GPU-hour the savings are valued at (savings.usd_per_gpu_hour)",
+            usd,
+        );
+        let watts: Gauge<f64, AtomicU64> = Gauge::default();
+        watts.set(prices.gpu_watts);
+        r.register(
+            "kinference_savings_gpu_watts",
+            "The power of one GPU the saved energy is computed with (savings.gpu_watts)",
+            watts,
         );
         r.register(
             "kinference_retries",

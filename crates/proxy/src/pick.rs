@@ -397,7 +397,8 @@ impl Pick {
                 .targets()
                 .get(*i)
                 .map_or(0, |t| t.predicted_cached);
-            m.record_usage(self.picked.pool(), predicted, actual);
+            self.fleet
+                .record_usage(self.picked.pool(), self.prompt_tokens, predicted, actual);
         }
         self.claim = None;
         self.admitted = None;

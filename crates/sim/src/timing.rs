@@ -114,6 +114,34 @@ impl TimingModel {
         }
     }
 
+    /// Seconds of GPU compute charged for prefilling `prompt - cached` tokens on top of
+    /// `cached` tokens already in the KV cache: the request's linear and attention work,
+    /// measured as the difference it makes to a compute-bound reference step, so the per-step
+    /// overhead and the weight-streaming floor (paid by every step, prefill or not) cancel out.
+    /// Per replica (all its TP ranks at once): multiply by the GPUs for GPU-seconds.
+    pub fn request_prefill_seconds(&self, prompt: usize, cached: usize) -> f64 {
+        let reference = BatchItem {
+            new_tokens: 8192,
+            context_tokens: 0,
+            samples: false,
+        };
+        let item = BatchItem {
+            new_tokens: u32::try_from(prompt.saturating_sub(cached)).unwrap_or(u32::MAX),
+            context_tokens: u32::try_from(cached.min(prompt)).unwrap_or(u32::MAX),
+            samples: true,
+        };
+        let with = self.step_duration(&[reference, item]).as_secs_f64();
+        let without = self.step_duration(&[reference]).as_secs_f64();
+        (with - without).max(0.0)
+    }
+
+    /// Seconds of prefill a cache hit of `cached` tokens spares a prompt of `prompt` tokens:
+    /// [`TimingModel::request_prefill_seconds`] without the hit minus with it.
+    pub fn saved_prefill_seconds(&self, prompt: usize, cached: usize) -> f64 {
+        (self.request_prefill_seconds(prompt, 0) - self.request_prefill_seconds(prompt, cached))
+            .max(0.0)
+    }
+
     /// Seconds of the per-layer non-attention work for `tokens` (compute-bound term only):
     /// what per-operator measurements such as Vidur's add up to.
     pub fn linear_seconds(&self, tokens: u64) -> f64 {
