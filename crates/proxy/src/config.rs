@@ -283,8 +283,12 @@ pub struct PoolConfig {
     /// The `model` values routed to this pool (vLLM's `--served-model-name`).
     pub models: Vec<String>,
     /// Directory with the model's `tokenizer.json` (and `tokenizer_config.json` for chat).
+    /// May be left out of an `inferencePool` pool whose `KinferencePool` names one (it is
+    /// applied before the configuration is checked).
+    #[serde(default)]
     pub tokenizer: PathBuf,
-    /// Tokens per KV block: the replicas' `--block-size`.
+    /// Tokens per KV block: the replicas' `--block-size`. May be left out like `tokenizer`.
+    #[serde(default)]
     pub block_size: u32,
     /// The replicas' `--prefix-caching-hash-algo`: sha256, sha256_cbor, xxhash, xxhash_cbor.
     #[serde(default = "default_algo")]
@@ -1011,7 +1015,12 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
     if pool.models.is_empty() {
         errs.push(format!("{path}.models"), "at least one model is needed");
     }
-    if !pool.tokenizer.join("tokenizer.json").is_file() {
+    if pool.tokenizer.as_os_str().is_empty() {
+        errs.push(
+            format!("{path}.tokenizer"),
+            format!("required: the directory of the model's tokenizer.json{FROM_KINFERENCE_POOL}"),
+        );
+    } else if !pool.tokenizer.join("tokenizer.json").is_file() {
         errs.push(
             format!("{path}.tokenizer"),
             format!("{} has no tokenizer.json", pool.tokenizer.display()),
@@ -1080,10 +1089,17 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
     })
 }
 
+/// Where a discovered pool's missing tokenizer or block size can come from.
+const FROM_KINFERENCE_POOL: &str =
+    " (an inferencePool pool takes it from the KinferencePool naming its InferencePool, if any)";
+
 /// The pool's hasher; each bad hash setting is reported at its own path.
 fn resolve_hasher(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<BlockHasher> {
     if pool.block_size == 0 {
-        errs.push(format!("{path}.block_size"), "must be > 0");
+        errs.push(
+            format!("{path}.block_size"),
+            format!("must be > 0: the replicas' --block-size{FROM_KINFERENCE_POOL}"),
+        );
     }
     let algo = HashAlgo::from_str(&pool.hash_algo)
         .map_err(|e| errs.push(format!("{path}.hash_algo"), e.to_string()))
@@ -1178,6 +1194,28 @@ mod inference_pool_tests {
         assert_eq!(errs[0].path, "pools[0].inferencePool", "{errs:?}");
         let neither = Config::parse(&pool("")).unwrap().validate();
         assert!(neither[0].message.contains("inferencePool"), "{neither:?}");
+    }
+
+    #[test]
+    fn a_discovered_pool_may_leave_tokenizer_and_block_size_to_its_kinference_pool() {
+        let text = "pools:\n  - models: [m]\n    inferencePool: {name: llama}\n";
+        let mut cfg = Config::parse(text).unwrap();
+        // Until a KinferencePool supplies them, the check says what is missing and where from.
+        let errs = cfg.validate();
+        let paths: Vec<&str> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert_eq!(
+            paths,
+            ["pools[0].tokenizer", "pools[0].block_size"],
+            "{errs:?}"
+        );
+        assert!(
+            errs.iter().all(|e| e.message.contains("KinferencePool")),
+            "{errs:?}"
+        );
+        // What the router does with a KinferencePool's spec before checking.
+        cfg.pools[0].tokenizer = kinference_testkit::tokenizer_dir();
+        cfg.pools[0].block_size = 16;
+        cfg.check().unwrap();
     }
 }
 
