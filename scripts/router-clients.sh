@@ -50,6 +50,8 @@ die() { DIED=1; log "error: $*"; show_logs; exit 1; }
 source "$HERE/lib/proc.sh"
 # shellcheck source=lib/net.sh
 source "$HERE/lib/net.sh"
+# shellcheck source=lib/python.sh
+source "$HERE/lib/python.sh"
 cleanup() {
   local rc=$?
   # A failure that did not go through die (set -e) still shows the logs.
@@ -72,18 +74,6 @@ has_openai() {
 import importlib.metadata as m, sys
 name, want = sys.argv[1].split("==")
 sys.exit(m.version(name) != want)' "$OPENAI_PIN" 2>/dev/null
-}
-find_python312() {
-  local c
-  for c in "${KINFERENCE_PYTHON312:-}" python3.13 python3.12 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3; do
-    [ -n "$c" ] || continue
-    c=$(command -v "$c" 2>/dev/null) || continue
-    "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$c"; return 0; }
-  done
-  if command -v uv >/dev/null; then
-    c=$(uv python find '>=3.12' 2>/dev/null) && { echo "$c"; return 0; }
-  fi
-  return 1
 }
 if ! has_openai "$VENV"; then
   if PY312=$(find_python312); then

@@ -33,6 +33,8 @@ die() { log "error: $*"; exit 1; }
 source "$HERE/lib/proc.sh"
 # shellcheck source=lib/net.sh
 source "$HERE/lib/net.sh"
+# shellcheck source=lib/python.sh
+source "$HERE/lib/python.sh"
 
 WORK=$(mktemp -d)
 SIM_PID=""
@@ -50,18 +52,6 @@ SUB=()
 [ "$(basename "$BIN")" = kinference ] && SUB=(sim)
 
 # --- Python >= 3.12 and the pinned clients
-find_python() {
-  local c
-  for c in "${KINFERENCE_PYTHON312:-}" python3.13 python3.12 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3; do
-    [ -n "$c" ] || continue
-    c=$(command -v "$c" 2>/dev/null) || continue
-    "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null && { echo "$c"; return 0; }
-  done
-  if command -v uv >/dev/null; then
-    c=$(uv python find '>=3.12' 2>/dev/null) && { echo "$c"; return 0; }
-  fi
-  return 1
-}
 
 satisfied() {
   [ -x "$VENV/bin/python" ] && "$VENV/bin/python" - "$REQS" <<'PYEOF' 2>/dev/null
@@ -76,7 +66,7 @@ PYEOF
 }
 
 if ! satisfied; then
-  PY=$(find_python) || die "inference-perf needs Python >= 3.12 and none was found (set KINFERENCE_PYTHON312)"
+  PY=$(find_python312) || die "inference-perf needs Python >= 3.12 and none was found (set KINFERENCE_PYTHON312)"
   log "installing the pinned clients into $VENV with $("$PY" --version)"
   "$PY" -m venv "$VENV"
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
