@@ -174,6 +174,23 @@ async fn metrics_page(proxy: &Proxy) -> String {
     body
 }
 
+/// Waits until `n` requests wait in pool `tiny`'s queue; panics after `WAIT`.
+async fn wait_queued(proxy: &Proxy, n: f64) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let page = metrics_page(proxy).await;
+        let queued = metric(&page, r#"kinference_queued_requests{pool="tiny"}"#);
+        if queued == n {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{queued} queued, not {n}, after {WAIT:?}"
+        );
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Reads until the router closes `s`; panics if it sends anything or stays open past `WAIT`.
 async fn closed_by_router(mut s: TcpStream) {
     let mut b = [0u8; 64];
@@ -674,13 +691,7 @@ async fn a_replica_at_its_in_flight_limit_is_passed_over_and_a_full_pool_queues_
 
     // Both full: the next one waits in the queue, and the one after it is shed at once.
     let third = session_request(addr, "s1", 3);
-    loop {
-        let page = metrics_page(&proxy).await;
-        if metric(&page, r#"kinference_queued_requests{pool="tiny"}"#) == 1.0 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
+    wait_queued(&proxy, 1.0).await;
     let (status, head, body) = session_request(addr, "s2", 4).await.unwrap();
     assert_eq!(status, 429, "{head}{body}");
     assert!(head.contains("retry-after: 5"), "{head}");
@@ -752,13 +763,7 @@ async fn a_request_waiting_for_room_is_served_as_soon_as_a_replica_comes_back_up
         .await
         .unwrap();
     let second = session_request(addr, "s2", 2);
-    loop {
-        let page = metrics_page(&proxy).await;
-        if metric(&page, r#"kinference_queued_requests{pool="tiny"}"#) == 1.0 {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
+    wait_queued(&proxy, 1.0).await;
 
     // B comes up on the same port; the scrape that finds it wakes the waiting request.
     let b = TcpListener::bind(b_addr).await.unwrap();
