@@ -26,7 +26,7 @@ mod shadow;
 mod tracker;
 mod types;
 
-pub use config::{ApproximateConfig, ConfigError, PolicyConfig, PreciseConfig};
+pub use config::{ApproximateConfig, ConfigError, ConfigErrors, PolicyConfig, PreciseConfig};
 pub use policy::{Applied, Policy};
 pub use shadow::{Guess, Shadow, ShadowError};
 pub use tracker::{Inserted, PrefixTracker};
