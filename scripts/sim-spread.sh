@@ -13,6 +13,10 @@
 # usage: scripts/sim-spread.sh [BINARY]   (BINARY: a built `kinference`, else the debug build)
 # env: SPREAD_N         replicas (default 1000)
 #      SPREAD_REQUESTS  requests per pattern (default 20000; a quarter of it for completions)
+#      SPREAD_SUBSCRIBE 1: a router (`kinference serve`, scraping off) subscribed to every
+#                       replica's KV events, as in scripts/scale.sh; requests still go straight
+#                       to the replicas, so each request's events leave on its replica's own
+#                       subscribed TCP connection
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -28,8 +32,9 @@ source "$HERE/lib/proc.sh"
 source "$HERE/lib/net.sh"
 
 WORK=$(mktemp -d)
-SIM_PID=""
+SIM_PID="" ROUTER_PID=""
 cleanup() {
+  stop "$ROUTER_PID"
   stop "$SIM_PID"
   rm -rf "$WORK"
   return 0
@@ -49,6 +54,32 @@ wait_sim_replicas "$WORK/sim.out" "$SIM_PID" "$N" 120 || exit 1
 while read -r line; do
   field "$line" url | sed 's#^http://##'
 done < <(grep '^replica=' "$WORK/sim.out") >"$WORK/addrs"
+
+if [ "${SPREAD_SUBSCRIBE:-0}" = 1 ]; then
+  flags=()
+  while read -r line; do
+    url=$(field "$line" url) ev=$(field "$line" events) rp=$(field "$line" replay)
+    flags+=(--replica "$url,events=$(dial "$ev"),replay=$(dial "$rp")")
+  done < <(grep '^replica=' "$WORK/sim.out")
+  NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model tiny \
+    --tokenizer "$TOKENIZER" --block-size 16 --scrape-interval-ms 0 "${flags[@]}" \
+    >"$WORK/router.out" 2>"$WORK/router.err" &
+  ROUTER_PID=$!
+  read -r _ ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 60) || exit 1
+  # Every replica's event stream connected (health stays unknown: no scrapes).
+  python3 - "http://$ADMIN_ADDR" "$N" <<'PYEOF'
+import json, sys, time, urllib.request
+admin, want = sys.argv[1], int(sys.argv[2])
+deadline = time.monotonic() + 120
+while time.monotonic() < deadline:
+    fleet = json.load(urllib.request.urlopen(f"{admin}/debug/replicas", timeout=10))
+    reps = [r for p in fleet["pools"] for r in p["replicas"]]
+    if len(reps) == want and all(w["events"] and w["events"]["connected"] for r in reps for w in r["workers"]):
+        sys.exit(0)
+    time.sleep(0.2)
+sys.exit("not every replica's events subscribed within 120 s")
+PYEOF
+fi
 
 python3 - "$SIM_PID" "$WORK/addrs" "$REQUESTS" <<'PYEOF'
 import http.client, json, os, sys
