@@ -6,13 +6,18 @@
 #   - one kept-alive connection to one replica;
 #   - kept-alive connections to the first 96 replicas, round robin;
 #   - kept-alive connections to all N replicas, round robin (first round: connects; then again);
-#   - a fresh connection per request (connect, request, close), to one replica and round robin.
+#   - a fresh connection per request (connect, request, close), to one replica and round robin;
+#   - completions from SPREAD_CONCURRENCY clients at once (default 8, each with its own
+#     connections, each replica used by one client), over 96 and over N replicas, and with
+#     SPREAD_SUBSCRIBE=1 the same through the subscribed router (least-load over all N), in
+#     rounds: a request's cost can depend on the request rate the fleet sees.
 # A request that lands on a replica whose connection and tasks are out of the CPU caches costs
 # more than one that lands on a recently used one; that part grows with replicas, not requests.
 #
 # usage: scripts/sim-spread.sh [BINARY]   (BINARY: a built `kinference`, else the debug build)
 # env: SPREAD_N         replicas (default 1000)
 #      SPREAD_REQUESTS  requests per pattern (default 20000; a quarter of it for completions)
+#      SPREAD_CONCURRENCY clients at once in the concurrent patterns (default 8)
 #      SPREAD_SUBSCRIBE 1: a router (`kinference serve`, scraping off) subscribed to every
 #                       replica's KV events, as in scripts/scale.sh; requests still go straight
 #                       to the replicas, so each request's events leave on its replica's own
@@ -65,7 +70,7 @@ if [ "${SPREAD_SUBSCRIBE:-0}" = 1 ]; then
     --tokenizer "$TOKENIZER" --block-size 16 --scrape-interval-ms 0 "${flags[@]}" \
     >"$WORK/router.out" 2>"$WORK/router.err" &
   ROUTER_PID=$!
-  read -r _ ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 60) || exit 1
+  read -r DATA_ADDR ADMIN_ADDR < <(router_addrs "$WORK/router.err" "$ROUTER_PID" 60) || exit 1
   # Every replica's event stream connected (health stays unknown: no scrapes).
   python3 - "http://$ADMIN_ADDR" "$N" <<'PYEOF'
 import json, sys, time, urllib.request
@@ -81,8 +86,8 @@ sys.exit("not every replica's events subscribed within 120 s")
 PYEOF
 fi
 
-python3 - "$SIM_PID" "$WORK/addrs" "$REQUESTS" <<'PYEOF'
-import http.client, json, os, sys
+python3 - "$SIM_PID" "$WORK/addrs" "$REQUESTS" "${SPREAD_CONCURRENCY:-8}" "${DATA_ADDR:-}" <<'PYEOF'
+import http.client, json, os, sys, threading, time
 pid, addrs, n = sys.argv[1], [l.strip() for l in open(sys.argv[2])], int(sys.argv[3])
 tck = os.sysconf("SC_CLK_TCK")
 
@@ -132,4 +137,46 @@ run("one kept-alive connection, 1 replica", addrs[:1], m, False, True)
 run("kept-alive, 96 replicas round robin", addrs[:96], m, False, True)
 run(f"kept-alive, {len(addrs)} replicas round robin, first round", addrs, len(addrs), False, True)
 run(f"kept-alive, {len(addrs)} replicas round robin", addrs, m, False, True)
+
+conc, via = int(sys.argv[4]), sys.argv[5]
+lock = threading.Lock()
+
+def client(k, targets, count, pool, fails):
+    for i in range(count):
+        addr = targets[(k + i * conc) % len(targets)]
+        c = pool.get(addr)
+        if c is None:
+            host, port = addr.rsplit(":", 1)
+            c = pool[addr] = http.client.HTTPConnection(host, int(port), timeout=30)
+        with lock:
+            s = next(seq)
+        body = json.dumps({"model": "tiny", "max_tokens": 8,
+                           "prompt": f"Request {s}: a short note on fleets."})
+        c.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        r = c.getresponse()
+        r.read()
+        if r.status != 200:
+            fails.append(r.status)
+
+def run_conc(label, targets, rounds):
+    pools = [dict() for _ in range(conc)]
+    per = max(m // conc, 1)
+    for rnd in range(rounds):
+        fails = []
+        t0, w0 = ticks(), time.monotonic()
+        ts = [threading.Thread(target=client, args=(k, targets, per, pools[k], fails)) for k in range(conc)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if fails:
+            sys.exit(f"{label}: {len(fails)} requests failed: {fails[:5]}")
+        us = 1e6 * (ticks() - t0) / tck / (per * conc)
+        rate = per * conc / (time.monotonic() - w0)
+        print(f"| completions | {label}, round {rnd + 1} ({rate:,.0f} requests/s) | {per * conc} | {us:.0f} |")
+
+run_conc(f"{conc} clients at once, kept-alive, 96 replicas round robin", addrs[:96], 2)
+run_conc(f"{conc} clients at once, kept-alive, {len(addrs)} replicas round robin", addrs, 3)
+if via:
+    run_conc(f"{conc} clients at once through the router (least-load over {len(addrs)})", [via], 4)
 PYEOF
