@@ -379,17 +379,26 @@ impl Pool {
     }
 
     /// Once a second: the policy's and the baselines' expired records go, and the baselines'
-    /// cache bound follows the pool's KV capacity.
+    /// cache bound follows the pool's KV capacity (replicas leave without a scrape).
     pub fn tick(&self, now: Duration) {
         let rules = self.rules();
         rules.policy.lock().expire(now);
+        for s in rules.shadows.lock().iter_mut() {
+            s.expire(now);
+        }
+        self.fit_baselines();
+    }
+
+    /// Bounds the baselines' cache models by the replicas' KV capacity; called when a scrape
+    /// reports a capacity that changed, so the first requests after a replica is read already
+    /// count against it.
+    pub fn fit_baselines(&self) {
         let capacity = self
             .blocks_per_worker()
             .map_or(BASELINE_CAPACITY_UNKNOWN, |b| {
                 usize::try_from(b).unwrap_or(usize::MAX)
             });
-        for s in rules.shadows.lock().iter_mut() {
-            s.expire(now);
+        for s in self.rules().shadows.lock().iter_mut() {
             s.set_capacity(capacity);
         }
     }

@@ -217,12 +217,17 @@ pub(crate) async fn scrape_once(fleet: &Fleet, pool: &Pool, replica: &Replica) {
         }
     }
     let reason = (!reasons.is_empty()).then(|| reasons.join("; "));
-    {
+    let capacity_changed = {
         let mut info = replica.info.lock();
         info.last_error = None;
+        let before = info.cache_config.as_ref().and_then(|c| c.num_gpu_blocks);
         info.cache_config = s.cache_config.clone();
         info.prefix_cache_hits = s.prefix_cache_hits;
         info.prefix_cache_queries = s.prefix_cache_queries;
+        before != s.cache_config.as_ref().and_then(|c| c.num_gpu_blocks)
+    };
+    if capacity_changed {
+        pool.fit_baselines();
     }
     if replica.set_unscorable(reason.clone()) {
         match &reason {
