@@ -27,6 +27,8 @@
 //!   merge loop applies the lowest-rank pair, leftmost on ties, which is what `Word::merge_all`'s
 //!   heap does (a stale heap entry is never applied: the pair at a position only grows, so its
 //!   merged token changes); words longer than [`LONG_WORD`] run that heap algorithm itself.
+//!   Merge results of words up to 48 bytes are cached per thread and tokenizer, as
+//!   `tokenizers` caches its BPE words (exact: a word's ids depend on its bytes alone).
 //!
 //! Exactness is proven by tests against the reference on every shared tokenizer the fast path
 //! accepts (`fast_bpe_equals_reference` in this module, and the `--ignored` 100k-per-tokenizer
@@ -263,6 +265,8 @@ fn byte_chars() -> [char; 256] {
 
 /// The BPE model over bytes.
 struct Bpe {
+    /// Which thread-local word cache is this model's.
+    cache_id: u64,
     byte_ids: [u32; 256],
     merges: PairMap,
     /// With `ignore_merges`: whole words in the vocabulary, by their bytes.
@@ -331,7 +335,9 @@ impl Bpe {
                 })
                 .collect()
         });
+        static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Ok(Bpe {
+            cache_id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             byte_ids,
             merges,
             whole_words,
@@ -357,10 +363,25 @@ impl Bpe {
             out.push(*id);
             return;
         }
+        let cacheable = w.len() <= CACHE_MAX_LEN;
+        if cacheable {
+            if let Some(ids) = sc.cache.get(w) {
+                out.extend_from_slice(ids);
+                return;
+            }
+        }
+        let first = out.len();
         if w.len() > LONG_WORD {
             self.merge_heap(w, out);
         } else {
             self.merge_scan(w, sc, out);
+        }
+        if cacheable {
+            if sc.cache.len() >= CACHE_WORDS {
+                sc.cache.clear();
+            }
+            let ids = out.get(first..).unwrap_or_default();
+            sc.cache.insert(w.into(), ids.into());
         }
     }
 
@@ -457,9 +478,25 @@ fn pair(a: u32, b: u32) -> u64 {
     (u64::from(a) << 32) | u64::from(b)
 }
 
-/// Buffers reused across the pieces of one text.
+/// Words of at most this many bytes are cached (longer ones are rare and costly to hash).
+const CACHE_MAX_LEN: usize = 48;
+/// Cached words per thread and tokenizer; the cache starts over when full.
+const CACHE_WORDS: usize = 32_768;
+
+type WordCache = ahash::AHashMap<Box<[u8]>, Box<[u32]>>;
+
+thread_local! {
+    /// Merge results by word, per thread and tokenizer (`Bpe::cache_id`), as `tokenizers` keeps
+    /// its BPE cache: a word's ids never depend on anything but its bytes, so a hit is exact.
+    static WORD_CACHES: std::cell::RefCell<HashMap<u64, WordCache>> =
+        std::cell::RefCell::new(HashMap::new());
+}
+
+/// Buffers reused across the pieces of one text, and this thread's word cache for the
+/// tokenizer (taken out of `WORD_CACHES` for the text, put back after).
 #[derive(Default)]
 struct Scratch {
+    cache: WordCache,
     /// Byte offset of each char of the piece, plus its end.
     offs: Vec<usize>,
     flags: Vec<u32>,
@@ -826,20 +863,37 @@ impl FastBpe {
         Some((ids, sink.out))
     }
 
-    fn run(&self, text: &str, mut sink: Option<&mut SplitSink<'_>>) -> Option<Vec<u32>> {
+    fn run(&self, text: &str, sink: Option<&mut SplitSink<'_>>) -> Option<Vec<u32>> {
+        let mut sc = Scratch {
+            cache: WORD_CACHES
+                .with(|c| c.borrow_mut().remove(&self.bpe.cache_id))
+                .unwrap_or_default(),
+            ..Scratch::default()
+        };
+        let out = self.run_with(text, &mut sc, sink);
+        let cache = std::mem::take(&mut sc.cache);
+        WORD_CACHES.with(|c| c.borrow_mut().insert(self.bpe.cache_id, cache));
+        out
+    }
+
+    fn run_with(
+        &self,
+        text: &str,
+        sc: &mut Scratch,
+        mut sink: Option<&mut SplitSink<'_>>,
+    ) -> Option<Vec<u32>> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 1);
-        let mut sc = Scratch::default();
         let mut start = 0;
         let raw_matches = self.raw_added.as_ref().map(|t| {
             t.leftmost_find_iter(text)
                 .map(|m| (m.start(), m.end(), m.value()))
         });
         for (s, e, id) in raw_matches.into_iter().flatten() {
-            self.normalized_piece(text, start, s, &mut ids, &mut sc, sink.as_deref_mut())?;
+            self.normalized_piece(text, start, s, &mut ids, sc, sink.as_deref_mut())?;
             self.push_added(id, e, &mut ids, sink.as_deref_mut());
             start = e;
         }
-        self.normalized_piece(text, start, text.len(), &mut ids, &mut sc, sink)?;
+        self.normalized_piece(text, start, text.len(), &mut ids, sc, sink)?;
         Some(ids)
     }
 
