@@ -279,6 +279,31 @@ fn bench_encode(c: &mut Criterion) {
             g.bench_function(format!("{label}/default"), |b| {
                 b.iter(|| tok.encode_uncached(text, false).unwrap())
             });
+            // Both paths keep per-thread word caches, warm above; a new thread starts them
+            // cold (only the encode inside it is timed).
+            let cold = |b: &mut criterion::Bencher, f: &(dyn Fn() -> Vec<u32> + Sync)| {
+                b.iter_custom(|iters| {
+                    (0..iters)
+                        .map(|_| {
+                            std::thread::scope(|s| {
+                                s.spawn(|| {
+                                    let t = std::time::Instant::now();
+                                    std::hint::black_box(f());
+                                    t.elapsed()
+                                })
+                                .join()
+                                .unwrap()
+                            })
+                        })
+                        .sum()
+                })
+            };
+            g.bench_function(format!("{label}/reference_cold_thread"), |b| {
+                cold(b, &|| tok.encode_reference(text, false).unwrap())
+            });
+            g.bench_function(format!("{label}/default_cold_thread"), |b| {
+                cold(b, &|| tok.encode_uncached(text, false).unwrap())
+            });
         }
         g.finish();
     }
