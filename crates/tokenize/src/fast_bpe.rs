@@ -697,7 +697,7 @@ pub(crate) struct FastBpe {
     raw_added: Option<DoubleArrayAhoCorasick<u32>>,
     normalized_added: Option<DoubleArrayAhoCorasick<u32>>,
     normalizer: Normalizer,
-    pub pre: PreTokenizer,
+    pre: PreTokenizer,
     bpe: Bpe,
     classes: &'static Classes,
 }
@@ -1404,13 +1404,13 @@ pub(crate) mod tests {
             }
             let added: Vec<String> = enc.added_contents();
             let mut rng = ChaCha8Rng::seed_from_u64(17);
+            check(&name, &enc, "");
             for _ in 0..inputs {
                 check(&name, &enc, &varied_input(&mut rng, &added));
             }
             for m in messages.iter().take(sharegpt) {
                 check(&name, &enc, m);
             }
-            // The previous module's corpus of split-point tests.
             proven.push((name, inputs + sharegpt.min(messages.len())));
         }
         proven
