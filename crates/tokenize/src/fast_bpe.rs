@@ -34,14 +34,17 @@
 //! accepts (`fast_bpe_equals_reference` in this module, and the `--ignored` 100k-per-tokenizer
 //! run recorded in BENCHMARKS.md), ids and split points alike.
 //!
-//! Crates considered instead (December 2026): `tiktoken-rs` 0.12 (fancy-regex pre-tokenizer,
-//! tiktoken rank files: merges by the merged token's rank, not HF's `merges` order; no HF
-//! added-token splitting or NFC), GitHub's `bpe`/`bpe-openai` 0.2/0.3 (fast, but only OpenAI
-//! cl100k/o200k dictionaries and pre-tokenizers; no `tokenizer.json` loading), `kitoken` 0.11
-//! (converts `tokenizer.json`, but its own regex engine (fancy-regex) and Unicode tables, and
-//! needs Rust 1.92+ plus a large dependency tree). None reproduces `tokenizers`' onig
-//! pre-tokenization and merge order for all four families, so this module does it, reusing the
-//! crates `tokenizers` already links (onig, daachorse, unicode-normalization-alignments).
+//! Crates considered instead (versions on crates.io in December 2026): `tiktoken-rs` 0.12
+//! (tiktoken's algorithm: fancy-regex pre-tokenizer, merges by the merged token's rank in a
+//! tiktoken rank file rather than HF's `merges` order; no `tokenizer.json`, HF added-token
+//! splitting or NFC); GitHub's `bpe` 0.2 / `bpe-openai` 0.3 (fast, but only the cl100k, o200k
+//! and voyage3 dictionaries it builds in, with regex-automata and a rewritten lookahead; no
+//! `tokenizer.json` loading); `pretokie` 0.0.1 (hand-written GPT-2/cl100k/Qwen/DeepSeek
+//! pre-tokenizers only: no BPE, added tokens or normalizer); `kitoken` 0.11 (converts `tokenizer.json`,
+//! but is a whole second tokenizer with its own regex engine, fancy-regex, and Unicode tables).
+//! None is shown equal to `tokenizers`' onig pre-tokenization and merge order for the four
+//! families, and proving one would take the same tests as this module; so it is written here,
+//! on the crates `tokenizers` already links (onig, daachorse, unicode-normalization-alignments).
 
 use std::borrow::Cow;
 use std::cmp::Reverse;
