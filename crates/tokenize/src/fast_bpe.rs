@@ -483,8 +483,9 @@ fn pair(a: u32, b: u32) -> u64 {
 
 /// Words of at most this many bytes are cached (longer ones are rare and costly to hash).
 const CACHE_MAX_LEN: usize = 48;
-/// Cached words per thread and tokenizer; the cache starts over when full.
-const CACHE_WORDS: usize = 32_768;
+/// Cached words per thread and tokenizer, as many as `tokenizers`' BPE cache holds (about
+/// 70 bytes each with the map's slot and two small allocations); it starts over when full.
+const CACHE_WORDS: usize = 10_000;
 
 type WordCache = ahash::AHashMap<Box<[u8]>, Box<[u32]>>;
 
