@@ -163,6 +163,7 @@ print(json.dumps({
     "saved_gpu_seconds": value("saved-gpu-seconds"),
     "saved_kwh": value("saved-kwh"),
     "saved_usd": value("saved-usd"),
+    "saved_vs_baseline": value("baselines"),
     "rps": value("rps"),
     "hit": value("hit"),
     "replicas": [r[0] for r in rows],
@@ -228,11 +229,16 @@ P3=$(read_page "$WORK/page3.html") || die "page 3 is not the dashboard"
 cp "$WORK/page3.html" "$OUT/"
 TOKENS=$(metric kinference_saved_prefill_tokens_total)
 GPU_S=$(metric kinference_saved_prefill_gpu_seconds_total)
+# One pool with the default baseline (round-robin): one series.
+BASE_S=$(metric kinference_baseline_saved_prefill_gpu_seconds_total)
 log "page 3: $P3"
-log "/metrics: kinference_saved_prefill_tokens_total $TOKENS, kinference_saved_prefill_gpu_seconds_total $GPU_S"
-python3 - "$P3" "$TOKENS" "$GPU_S" <<'PYEOF' || die "the page's savings differ from /metrics"
+log "/metrics: kinference_saved_prefill_tokens_total $TOKENS, kinference_saved_prefill_gpu_seconds_total $GPU_S, kinference_baseline_saved_prefill_gpu_seconds_total $BASE_S"
+python3 - "$P3" "$TOKENS" "$GPU_S" "$BASE_S" <<'PYEOF' || die "the page's savings differ from /metrics"
 import json, sys
-p, tokens, gpu_s = json.loads(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+p, tokens, gpu_s, base_s = json.loads(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+assert p["saved_vs_baseline"] is not None, f"no saving against round-robin shown: {p}"
+assert abs(p["saved_vs_baseline"] - (gpu_s - base_s)) <= 1e-9 * max(1.0, gpu_s), \
+    f"saved vs round-robin: page {p['saved_vs_baseline']} vs /metrics {gpu_s - base_s}"
 assert p["saved_tokens"] == tokens, f"tokens: page {p['saved_tokens']} vs /metrics {tokens}"
 assert abs(p["saved_gpu_seconds"] - gpu_s) <= 1e-9 * max(1.0, gpu_s), \
     f"GPU-seconds: page {p['saved_gpu_seconds']} vs /metrics {gpu_s}"

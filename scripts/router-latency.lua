@@ -8,8 +8,16 @@
 --
 -- usage: wrk -s router-latency.lua URL -- MODE MODEL MAX_TOKENS TAG [PREFIX_CHARS]
 --   MODE  completions (POST /v1/completions, not streamed) or
---         chat-stream (POST /v1/chat/completions with "stream": true)
+--         chat-stream (POST /v1/chat/completions with "stream": true) or
+--         chat / chat-stream with CHAT_BODIES=FILE in the environment: real conversations
+--         instead of the shared prefixes (see below)
 --   TAG   distinguishes runs so that suffixes never repeat across cells
+--
+-- CHAT_BODIES: one chat request per line, `HEAD<TAB>TAIL`, where HEAD is the JSON of
+-- `"messages":[...` cut inside the last message's content string and TAIL closes it. Every
+-- request takes the next line (each wrk thread starts at its own offset) and puts a unique tag
+-- where the cut is, so a line reused in a long run is still a new prompt whose history the
+-- replicas may hold.
 -- At the end it prints one line `RESULT {json}` with wrk's own counters and percentiles (µs).
 
 local PREFIXES = 8
@@ -60,6 +68,7 @@ end
 
 local mode, model, max_tokens, tag
 local prefixes = {}
+local bodies = {}
 local n = 0
 
 function init(args)
@@ -71,8 +80,22 @@ function init(args)
   for k = 0, PREFIXES - 1 do
     prefixes[k] = make_prefix(k, chars)
   end
-  if mode ~= "completions" and mode ~= "chat-stream" then
+  if mode ~= "completions" and mode ~= "chat-stream" and mode ~= "chat" then
     error("unknown mode " .. mode)
+  end
+  local path = os.getenv("CHAT_BODIES")
+  if path and path ~= "" then
+    for line in io.lines(path) do
+      local head, tail = line:match("^([^\t]*)\t(.*)$")
+      if head then
+        bodies[#bodies + 1] = { head, tail }
+      end
+    end
+    if #bodies == 0 then
+      error("no HEAD<TAB>TAIL lines in " .. path)
+    end
+  elseif mode == "chat" then
+    error("mode chat needs CHAT_BODIES")
   end
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
@@ -82,6 +105,13 @@ end
 function request()
   n = n + 1
   local t = tonumber(tid) or 0
+  if #bodies > 0 then
+    local b = bodies[((n + t * 7919) % #bodies) + 1]
+    local stream = mode == "chat-stream" and ',"stream":true' or ""
+    return wrk.format(nil, nil, nil, string.format(
+      '{"model":"%s",%s [%s-%d-%d]%s,"max_tokens":%d,"temperature":0%s}',
+      model, b[1], tag, t, n, b[2], max_tokens, stream))
+  end
   local k = (n * 5 + t) % PREFIXES
   local text = prefixes[k] .. string.format(
     " Question %s-%d-%d: what does the %s say about %s?", tag, t, n,

@@ -4,12 +4,16 @@
 # to a replica, measured in the same run as vllm-router 0.1.17 and sglang-router 0.3.2
 # (cache_aware), all in front of the same 4 simulated replicas.
 #
-# Workload (wrk, scripts/router-latency.lua): 8 shared ~4,000-character prefixes + a unique
-# suffix per request, max_tokens=8. The replicas are `kinference sim` at a speedup of 100,000
+# Workload (wrk, scripts/router-latency.lua), WORKLOAD=dev (default): 8 shared ~4,000-character
+# prefixes + a unique suffix per request, max_tokens=8. WORKLOAD=chat: real conversations, the
+# last 1,000 of ../shared's ShareGPT sample (the trace benchmarks read from its start), each
+# human turn with its whole history as one chat request (bodies up to 16 kB, 4,461 requests,
+# mean 3.6 kB), taken in turn order across conversations as a live service sees them, with a
+# unique tag at the end of the last message; the cells are then chat requests throughout. The replicas are `kinference sim` at a speedup of 100,000
 # simulated seconds per second, so they answer in a fraction of a millisecond and the router is
 # what is measured. Per target, each round runs three cells:
-#   c1      /v1/completions, not streamed, 1 connection
-#   c32     /v1/completions, not streamed, 32 connections (2 wrk threads)
+#   c1      /v1/completions (chat: /v1/chat/completions), not streamed, 1 connection
+#   c32     the same, 32 connections (2 wrk threads)
 #   chat1   /v1/chat/completions, streamed (SSE), 1 connection
 # and direct has a fourth, c32all: the same 32 connections spread over all 4 replicas (4 wrk
 # threads, one replica each). The routers spread their load the same way, and the simulator
@@ -40,7 +44,9 @@
 #      CONNS=32              connections of the throughput cell
 #      PREFIX_CHARS=4000     length of each shared prefix
 #      MAX_TOKENS=8
-#      TOKENIZER=../shared/data/tokenizers/llama3.1   (router and replicas use the same one)
+#      WORKLOAD=dev          dev or chat (see above)
+#      TOKENIZER=llama3.1    a directory, or the name of one in ../shared/data/tokenizers
+#                            (llama3.1, qwen3, deepseek-v3, ...); router and replicas use it
 #      RESULTS=target/router-latency                   (a timestamped directory is made in it)
 #      PEERS_DIR=~/.cache/kinference/peers             (one venv per peer; installed when missing)
 #      LOAD_CPUS=, ROUTER_CPUS=   CPU lists for taskset (e.g. LOAD_CPUS=0 ROUTER_CPUS=1): the
@@ -66,7 +72,10 @@ TARGETS=${TARGETS:-direct,kinference,vllm-router,sglang-router,nginx}
 CONNS=${CONNS:-32}
 PREFIX_CHARS=${PREFIX_CHARS:-4000}
 MAX_TOKENS=${MAX_TOKENS:-8}
-TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+WORKLOAD=${WORKLOAD:-dev}
+TOKENIZER=${TOKENIZER:-llama3.1}
+[ -d "$TOKENIZER" ] || TOKENIZER=$REPO/../shared/data/tokenizers/$TOKENIZER
+SHAREGPT=$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz
 RESULTS=${RESULTS:-$REPO/target/router-latency}
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/kinference/peers}
 LOAD_CPUS=${LOAD_CPUS:-}
@@ -111,6 +120,14 @@ command -v python3 >/dev/null || die "python3 is needed (free ports, the results
 [ -f "$TOKENIZER/tokenizer.json" ] || die "no tokenizer.json in $TOKENIZER"
 TOKENIZER=$(cd "$TOKENIZER" && pwd)
 [[ "$ROUNDS" =~ ^[1-9][0-9]*$ ]] || die "ROUNDS must be a positive integer"
+case $WORKLOAD in
+  dev) MODE=completions ;;
+  chat)
+    MODE=chat
+    [ -f "$SHAREGPT" ] || die "WORKLOAD=chat reads $SHAREGPT, which is missing"
+    ;;
+  *) die "WORKLOAD must be dev or chat" ;;
+esac
 PIN_LOAD=()
 PIN_ROUTER=()
 if [ -n "$LOAD_CPUS$ROUTER_CPUS" ]; then
@@ -177,7 +194,7 @@ CELLS=$OUT/cells.jsonl
 {
   echo "date: $(date -Is)"
   echo "command: $0 $*"
-  echo "env: DURATION=$DURATION WARMUP=$WARMUP ROUNDS=$ROUNDS CONNS=$CONNS PREFIX_CHARS=$PREFIX_CHARS MAX_TOKENS=$MAX_TOKENS"
+  echo "env: WORKLOAD=$WORKLOAD DURATION=$DURATION WARMUP=$WARMUP ROUNDS=$ROUNDS CONNS=$CONNS PREFIX_CHARS=$PREFIX_CHARS MAX_TOKENS=$MAX_TOKENS"
   echo "cpus: simulator and wrk ${LOAD_CPUS:-any}, routers ${ROUTER_CPUS:-any}"
   echo "targets: ${RUN_TARGETS[*]}"
   echo "tokenizer: $TOKENIZER"
@@ -191,6 +208,38 @@ CELLS=$OUT/cells.jsonl
   echo "loadavg at start: $(cat /proc/loadavg)"
 } >"$OUT/machine.txt"
 log "results in $OUT"
+
+# The chat workload's requests (see the header): HEAD<TAB>TAIL lines for router-latency.lua.
+CHAT_BODIES=
+if [ "$WORKLOAD" = chat ]; then
+  CHAT_BODIES=$OUT/chat-bodies.tsv
+  python3 - "$SHAREGPT" "$CHAT_BODIES" <<'PYEOF' || die "could not write the chat requests"
+import gzip, json, sys
+src, dst = sys.argv[1], sys.argv[2]
+convs = [json.loads(line) for line in gzip.open(src, "rt")][2000:]
+turns = []  # per conversation: the message lists ending at each human turn
+for c in convs:
+    msgs, mine = [], []
+    for m in c["conversations"]:
+        msgs.append({"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]})
+        if m["from"] == "human":
+            mine.append(list(msgs))
+    turns.append(mine)
+lines, size = [], 0
+for k in range(max(len(t) for t in turns)):
+    for t in turns:
+        if k < len(t):
+            body = '"messages":' + json.dumps(t[k], ensure_ascii=False)
+            if len(body.encode()) <= 16384:
+                cut = len(body) - 3  # before the closing `"}]`
+                assert body[cut:] == '"}]'
+                lines.append(body[:cut] + "\t" + body[cut:])
+                size += len(body.encode())
+with open(dst, "w") as f:
+    f.write("\n".join(lines) + "\n")
+print(f"{len(lines)} chat requests, mean {size / len(lines):,.0f} bytes of messages", file=sys.stderr)
+PYEOF
+fi
 
 # utime+stime (clock ticks) of a process and its descendants
 proc_ticks() {
@@ -369,7 +418,7 @@ run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE [ADDRS]
   local threads=1
   [ "$2" -ge 2 ] && threads=2
   [ -n "${7:-}" ] && threads=$REPLICAS
-  WRK_ADDRS=${7:-} "${PIN_LOAD[@]}" wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
+  WRK_ADDRS=${7:-} CHAT_BODIES=$CHAT_BODIES "${PIN_LOAD[@]}" wrk -t"$threads" -c"$2" -d"$3" --timeout 10s --latency -s "$LUA" "$1" -- \
     "$4" "$MODEL" "$MAX_TOKENS" "$5" "$PREFIX_CHARS" >"$6" 2>&1 ||
     { cat "$6" >&2; die "wrk failed against $1"; }
 }
@@ -402,12 +451,12 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
     return 1
   fi
   chat_stream_ok "$TARGET_URL" || log "warning: $t did not stream a chat completion to [DONE] in the smoke check"
-  run_wrk "$TARGET_URL" "$CONNS" "$WARMUP" completions "${t//-/}r${round}${pair//-/}warm$$" "$prefix.warmup.txt"
-  run_cell "$t" "$round" "$pair" "$prefix" c1 1 completions
-  run_cell "$t" "$round" "$pair" "$prefix" c32 "$CONNS" completions
+  run_wrk "$TARGET_URL" "$CONNS" "$WARMUP" "$MODE" "${t//-/}r${round}${pair//-/}warm$$" "$prefix.warmup.txt"
+  run_cell "$t" "$round" "$pair" "$prefix" c1 1 "$MODE"
+  run_cell "$t" "$round" "$pair" "$prefix" c32 "$CONNS" "$MODE"
   run_cell "$t" "$round" "$pair" "$prefix" chat1 1 chat-stream
   if [ "$t" = direct ]; then
-    run_cell "$t" "$round" "$pair" "$prefix" c32all "$CONNS" completions "$(printf '%s\n' "${URLS[@]#http://}" | paste -sd,)"
+    run_cell "$t" "$round" "$pair" "$prefix" c32all "$CONNS" "$MODE" "$(printf '%s\n' "${URLS[@]#http://}" | paste -sd,)"
   fi
   if [ "$t" = direct ] && [ "$(awk '$1 == "50%" {print ($2 ~ /ms$/ && $2 + 0 > 20) ? 1 : 0; exit}' "$prefix.chat1.txt")" = 1 ]; then
     log "warning: streamed chat straight to a replica takes over 20 ms at p50: the backend stalls (no TCP_NODELAY?), so the streaming column measures the backend, not the routers"
@@ -497,6 +546,15 @@ def metrics(t, rnd, pair):
     if ch:
         m["ch_p50"] = ch["wrk"]["p50_us"] / 1000
         m["ch_p99"] = ch["wrk"]["p99_us"] / 1000
+        dch = by.get(("direct", rnd, pair, "chat1"))
+        if dch and t != "direct":
+            m["ch_added"] = (ch["wrk"]["p50_us"] - dch["wrk"]["p50_us"]) / 1000
+    # Issue 17's yardstick: against nginx, the plain HTTP hop, in the same round.
+    n32 = by.get(("nginx", rnd, "nginx", "c32"))
+    if c32 and n32 and t not in ("direct", "nginx"):
+        if cpu_ms(n32):
+            m["cpu_x_nginx"] = cpu_ms(c32) / cpu_ms(n32)
+        m["rps_vs_nginx"] = 100.0 * rps(c32) / rps(n32)
     m["errors"] = sum(errors(x) for x in (c1, c32, ch) if x)
     return m
 
@@ -508,7 +566,10 @@ COLS = [
     ("c32_rps_all", f"direct, {conns} conns over all replicas, req/s", "int"),
     ("vs_all", "% of direct over all replicas", "pct"),
     ("ch_p50", "streaming chat 1 conn p50", "ms"), ("ch_p99", "p99", "ms"),
+    ("ch_added", "added p50 vs direct", "ms+"),
     ("cpu", f"router CPU per request ({conns} conns)", "ms"),
+    ("cpu_x_nginx", "router CPU per request / nginx's", "x"),
+    ("rps_vs_nginx", f"{conns} conns req/s, % of nginx", "pct"),
     ("sim_cpu", "replicas' CPU per request", "ms"),
     ("sim_cpu_all", "the same, direct over all replicas", "ms"),
 ]
@@ -518,6 +579,8 @@ def fmt(v, kind):
         return f"{v:,.0f}"
     if kind == "pct":
         return f"{v:.0f} %"
+    if kind == "x":
+        return f"{v:.2f}×"
     if kind == "ms+":
         return f"{v:+.2f} ms"
     return f"{v:.2f} ms" if v < 10 else f"{v:.1f} ms"

@@ -16,9 +16,18 @@
 #      SCALE_REQUIRE_ALL  1: fail (exit 1) unless every replica was up and subscribed at every N
 #                         (the CI short form)
 #      SCALE_LOAD_REQUESTS  after the idle window, send this many completions through the router
-#                         (8 at a time, each prompt unique, max_tokens 8) and print a second
+#                         (SCALE_LOAD_CONCURRENCY at a time, default 8; each prompt unique,
+#                         max_tokens 8) and print a second
 #                         table: CPU per request of each process under load (default 0: none).
 #                         The simulator's cost should grow with requests, not with replicas.
+#      SCALE_LOAD_PASSES  passes of SCALE_LOAD_REQUESTS, back to back, one row each (default 2).
+#                         Pass 1 starts from an idle fleet: at 1,000 replicas most of its
+#                         requests reach a replica the router holds no connection to (a TCP
+#                         connect and accept each) and touch state a replica has not used yet;
+#                         pass 2 finds them connected and warm (the steady state). The "TCP
+#                         accepts" column is the host's PassiveOpens (/proc/net/snmp) over the
+#                         pass per request: mostly the simulator accepting the router's
+#                         connections (anything else on the host counts too).
 #      SCALE_KEEP         keep the work directory (logs) and print its path
 #      SCALE_CHURN        1: one more replica, in a simulator process of its own, beside the N;
 #                         after the idle window it is killed (SIGKILL) and started again on the
@@ -62,6 +71,40 @@ TCK=$(getconf CLK_TCK)
 
 ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 rss_mib() { awk '/^VmRSS/ {printf "%.0f", $2 / 1024}' "/proc/$1/status"; }
+
+# passive_opens: TCP connections accepted on this host so far (PassiveOpens, /proc/net/snmp).
+passive_opens() {
+  awk '/^Tcp:/ { if (!h) { for (i = 1; i <= NF; i++) col[$i] = i; h = 1 } else print $col["PassiveOpens"] }' /proc/net/snmp
+}
+
+# load ADDR TOTAL PASS CONCURRENCY: TOTAL completions through the router at ADDR, CONCURRENCY
+# at a time, each prompt unique (PASS is part of it); prints how many were answered 200.
+load() {
+  python3 - "$@" <<'PYEOF'
+import http.client, json, sys, threading
+addr, total, pass_ = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+host, port = addr.rsplit(":", 1)
+lock, counts, nxt = threading.Lock(), {"ok": 0}, iter(range(total))
+def worker():
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    while True:
+        with lock:
+            i = next(nxt, None)
+        if i is None:
+            return
+        body = json.dumps({"model": "tiny", "prompt": f"Request {i} of pass {pass_}: a short note on fleets.", "max_tokens": 8})
+        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        if resp.status == 200:
+            with lock:
+                counts["ok"] += 1
+threads = [threading.Thread(target=worker) for _ in range(int(sys.argv[4]))]
+for t in threads: t.start()
+for t in threads: t.join()
+print(counts["ok"])
+PYEOF
+}
 
 # fleet_state ADMIN: replicas the router reports up, subscribed, in all, and the scrapes
 # (ok + failed) it made of all of them so far.
@@ -154,35 +197,17 @@ for n in $NS; do
     missing=1
   fi
   if [ "${SCALE_LOAD_REQUESTS:-0}" -gt 0 ]; then
-    r0=$(ticks "$ROUTER_PID") s0=$(ticks "$SIM_PID") t0=$(date +%s.%N)
-    ok=$(python3 - "$DATA_ADDR" "$SCALE_LOAD_REQUESTS" <<'PYEOF'
-import http.client, json, sys, threading
-addr, total = sys.argv[1], int(sys.argv[2])
-host, port = addr.rsplit(":", 1)
-lock, counts, nxt = threading.Lock(), {"ok": 0}, iter(range(total))
-def worker():
-    conn = http.client.HTTPConnection(host, int(port), timeout=60)
-    while True:
-        with lock:
-            i = next(nxt, None)
-        if i is None:
-            return
-        body = json.dumps({"model": "tiny", "prompt": f"Request {i}: a short note on fleets.", "max_tokens": 8})
-        conn.request("POST", "/v1/completions", body, {"content-type": "application/json"})
-        resp = conn.getresponse()
-        resp.read()
-        if resp.status == 200:
-            with lock:
-                counts["ok"] += 1
-threads = [threading.Thread(target=worker) for _ in range(8)]
-for t in threads: t.start()
-for t in threads: t.join()
-print(counts["ok"])
-PYEOF
-    )
-    r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID") t1=$(date +%s.%N)
-    per_req() { awk -v d="$1" -v t="$TCK" -v n="$ok" 'BEGIN {printf "%.3f", n ? 1000 * d / t / n : 0}'; }
-    LOAD_ROWS+="| $n | $ok / $SCALE_LOAD_REQUESTS | $(awk -v a="$t0" -v b="$t1" -v n="$ok" 'BEGIN {printf "%.0f", n / (b - a)}') | $(per_req $(( r1 - r0 ))) | $(per_req $(( s1 - s0 ))) |"$'\n'
+    for pass in $(seq 1 "${SCALE_LOAD_PASSES:-2}"); do
+      a0=$(passive_opens)
+      r0=$(ticks "$ROUTER_PID") s0=$(ticks "$SIM_PID") t0=$(date +%s.%N)
+      ok=$(load "$DATA_ADDR" "$SCALE_LOAD_REQUESTS" "$pass" "${SCALE_LOAD_CONCURRENCY:-8}")
+      r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID") t1=$(date +%s.%N)
+      a1=$(passive_opens)
+      per_req() { awk -v d="$1" -v t="$TCK" -v n="$ok" 'BEGIN {printf "%.3f", n ? 1000 * d / t / n : 0}'; }
+      rps=$(awk -v a="$t0" -v b="$t1" -v n="$ok" 'BEGIN {printf "%.0f", n / (b - a)}')
+      accepts=$(awk -v d=$(( a1 - a0 )) -v n="$ok" 'BEGIN {printf "%.2f", n ? d / n : 0}')
+      LOAD_ROWS+="| $n | $pass | $ok / $SCALE_LOAD_REQUESTS | $rps | $accepts | $(per_req $(( r1 - r0 ))) | $(per_req $(( s1 - s0 ))) |"$'\n'
+    done
   fi
   if [ "${SCALE_CHURN:-0}" = 1 ]; then
     kill -9 "$CHURN_PID"; wait "$CHURN_PID" 2>/dev/null || true
@@ -199,8 +224,8 @@ PYEOF
 done
 if [ -n "$LOAD_ROWS" ]; then
   echo
-  echo "| replicas | completions ok | requests/s | router CPU ms per request | simulator CPU ms per request |"
-  echo "|---|---|---|---|---|"
+  echo "| replicas | pass | completions ok | requests/s | TCP accepts per request (host) | router CPU ms per request | simulator CPU ms per request |"
+  echo "|---|---|---|---|---|---|---|"
   printf '%s' "$LOAD_ROWS"
 fi
 if [ -n "$CHURN_ROWS" ]; then

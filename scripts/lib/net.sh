@@ -55,7 +55,7 @@ router_addrs() {
 
 # wait_router_ready ADMIN_URL PID WANT [SECS]: waits until the router (PID) is ready with WANT
 # replicas, every one scraped up and scorable and every event stream subscribed (so the first
-# requests' blocks reach the index); fails with the last state seen after SECS (default 30).
+# requests' blocks reach the index; a replica without events has none to wait for); fails with the last state seen after SECS (default 30).
 wait_router_ready() {
   python3 - "$1" "$2" "$3" "${4:-30}" <<'PYEOF'
 import json, os, sys, time, urllib.error, urllib.request
@@ -70,7 +70,9 @@ while time.monotonic() < deadline:
         ready = json.load(urllib.request.urlopen(f"{admin}/readyz", timeout=2))
         fleet = json.load(urllib.request.urlopen(f"{admin}/debug/replicas", timeout=2))
         reps = [r for p in fleet["pools"] for r in p["replicas"]]
-        subscribed = all(w["events"] and w["events"]["connected"] for r in reps for w in r["workers"])
+        subscribed = all(r.get("events_mode") == "none"
+                         or all(w["events"] and w["events"]["connected"] for w in r["workers"])
+                         for r in reps)
         if ready["ready"] and len(reps) == want and all(r["scorable"] for r in reps) and subscribed:
             sys.exit(0)
         last = json.dumps(fleet)[:2000]

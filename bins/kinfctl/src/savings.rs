@@ -80,6 +80,23 @@ pub fn render_savings(base: &str, s: &SavingsResponse) -> String {
     if s.pools.len() > 1 {
         row(&mut out, "total", &s.total);
     }
+    for b in &s.baselines {
+        let rate = |cached: u64| {
+            pct((s.total.prompt_tokens > 0).then(|| cached as f64 / s.total.prompt_tokens as f64))
+        };
+        let _ = writeln!(
+            out,
+            "saved vs {} (estimated): {:.3} GPU-s, {:.6} kWh, ${:.4}; hit rate {} measured, {} \
+             estimated for {} routing all the traffic",
+            b.policy,
+            b.saved_vs_gpu_seconds,
+            b.saved_vs_kwh,
+            b.saved_vs_usd,
+            rate(s.total.saved_prefill_tokens),
+            rate(b.cached_tokens),
+            b.policy
+        );
+    }
     let profiles: Vec<String> = s
         .pools
         .iter()
@@ -134,6 +151,13 @@ pub fn render_top(base: &str, d: &DashboardResponse) -> String {
         "saved since start: {} prefill tokens, {:.3} GPU-s, {:.6} kWh, ${:.4} ({} requests with usage)",
         t.saved_prefill_tokens, t.saved_gpu_seconds, t.saved_kwh, t.saved_usd, t.requests_observed
     );
+    for b in &s.baselines {
+        let _ = writeln!(
+            out,
+            "saved vs {} (estimated): {:.3} GPU-s, ${:.4}",
+            b.policy, b.saved_vs_gpu_seconds, b.saved_vs_usd
+        );
+    }
     let recent = &d.history[d.history.len().saturating_sub(5)..];
     let mean = |f: &dyn Fn(&kinference_proxy::api::HistoryPoint) -> Option<f64>| {
         let v: Vec<f64> = recent.iter().filter_map(f).collect();

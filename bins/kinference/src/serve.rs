@@ -56,6 +56,11 @@ pub struct ServeArgs {
     /// llama-3.1-8b-h100x1].
     #[arg(long, env = "KINFERENCE_SAVINGS_PROFILE")]
     savings_profile: Option<String>,
+    /// One-pool fleet: policies the savings are compared with, each deciding every request
+    /// without sending it (round-robin, least-load, approximate; comma-separated; `none` for no
+    /// comparison) [default: round-robin].
+    #[arg(long, env = "KINFERENCE_BASELINES", value_delimiter = ',')]
+    baselines: Option<Vec<String>>,
     // The help is an attribute, not a doc comment: its `[...]` are option syntax, not links.
     #[arg(
         long = "replica",
@@ -178,6 +183,7 @@ impl ServeArgs {
             || self.session_header.is_some()
             || self.tokenizer_cache_bytes.is_some()
             || self.savings_profile.is_some()
+            || self.baselines.is_some()
             || !self.replicas.is_empty()
             || self.inference_pool.is_some()
     }
@@ -261,6 +267,9 @@ impl ServeArgs {
         }
         if let Some(p) = &self.savings_profile {
             pool.savings_profile = p.clone();
+        }
+        if let Some(b) = &self.baselines {
+            pool.baselines = b.iter().filter(|b| *b != "none").cloned().collect();
         }
         pool.replicas = replicas;
         pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {

@@ -21,6 +21,10 @@
 //! the publish-to-applied delay pairs the child's send times of sampled messages with the
 //! moment a health watcher saw the batch applied (a watcher wake included).
 //!
+//! `KINFERENCE_BENCH_FANIN_SHARED=1` turns it around, as a pool's shared `events.bind` does:
+//! the plane binds one endpoint for every worker, each told apart by its topic (`kv-0000`,
+//! ...; fixed width, so no topic is a prefix of another), and the child's XPUBs connect to it.
+//!
 //! `cargo bench -p kinference-events --bench fanin` runs 1,000 workers for 10 s flat out;
 //! `KINFERENCE_BENCH_FANIN_WORKERS`, `_SECS`, `_RATE` (messages/s offered, 0 = flat out),
 //! `_DEPTH` and `_WINDOW` change that. Without `--bench` it runs 8 workers for 0.2 s.
@@ -50,6 +54,13 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 const CHILD_ENV: &str = "KINFERENCE_BENCH_FANIN_CHILD";
 const TOPIC: &str = "kv-events";
+/// Set (to the plane's bound endpoint) in the child of a shared-endpoint run.
+const SHARED_ENV: &str = "KINFERENCE_BENCH_FANIN_SHARED_ENDPOINT";
+
+/// Worker `i`'s topic on a shared endpoint.
+fn shared_topic(i: usize) -> String {
+    format!("kv-{i:04}")
+}
 /// Blocks per `BlockStored` and evictions per batch.
 const PER_STEP: usize = 16;
 const BLOCK_SIZE: usize = 16;
@@ -272,6 +283,13 @@ fn publisher_main() {
     let window: u64 = env_or("KINFERENCE_BENCH_FANIN_WINDOW", 8192);
     let sampled_every: u64 = env_or("KINFERENCE_BENCH_FANIN_SAMPLE_EVERY", 4);
 
+    let shared = std::env::var(SHARED_ENV).ok();
+    let topics: Vec<Vec<u8>> = (0..workers)
+        .map(|i| match shared {
+            Some(_) => shared_topic(i).into_bytes(),
+            None => TOPIC.as_bytes().to_vec(),
+        })
+        .collect();
     let mut out = std::io::stdout().lock();
     // libzmq refuses the 1024th socket of a context.
     let mut contexts: Vec<zmq::Context> = Vec::new();
@@ -285,20 +303,26 @@ fn publisher_main() {
         s.set_linger(0).unwrap();
         // No high-water mark: a PUB at its mark drops; the window below bounds memory.
         s.set_sndhwm(0).unwrap();
-        s.bind("tcp://127.0.0.1:0").unwrap();
-        let ep = s.get_last_endpoint().unwrap().unwrap();
-        writeln!(out, "endpoint {ep}").unwrap();
+        match &shared {
+            Some(ep) => s.connect(ep).unwrap(),
+            None => {
+                s.bind("tcp://127.0.0.1:0").unwrap();
+                let ep = s.get_last_endpoint().unwrap().unwrap();
+                writeln!(out, "endpoint {ep}").unwrap();
+            }
+        }
         sockets.push(s);
     }
     writeln!(out, "bound").unwrap();
     out.flush().unwrap();
 
-    // The XPUB delivers each subscription as a message starting with 1.
-    for s in &sockets {
+    // The XPUB delivers each subscription as a message starting with 1: wait for one that
+    // covers this worker's topic (a shared endpoint's SUB subscribes to everything, "").
+    for (s, topic) in sockets.iter().zip(&topics) {
         s.set_rcvtimeo(WAIT.as_millis() as i32).unwrap();
         loop {
             let msg = s.recv_bytes(0).expect("subscription notice");
-            if msg.first() == Some(&1) {
+            if msg.first() == Some(&1) && topic.starts_with(&msg[1..]) {
                 break;
             }
         }
@@ -332,13 +356,12 @@ fn publisher_main() {
     let mut template = Template::new();
     let mut seqs = vec![0u64; workers];
     let mut sent: u64 = 0;
-    let topic = TOPIC.as_bytes();
     let send = |template: &mut Template, seqs: &mut [u64], sent: &mut u64, w: usize| {
         let seq = seqs[w];
         let ts = unix_nanos();
         template.fill(w as u32, seq, depth, ts as f64 / 1e9);
         let s = &sockets[w];
-        s.send(topic, zmq::SNDMORE).unwrap();
+        s.send(&topics[w][..], zmq::SNDMORE).unwrap();
         s.send(&seq.to_be_bytes()[..], zmq::SNDMORE).unwrap();
         s.send(&template.payload[..], 0).unwrap();
         seqs[w] += 1;
@@ -574,6 +597,7 @@ fn main() {
         if full { 8192 } else { 256 },
     );
     let threads: usize = env_or("KINFERENCE_BENCH_FANIN_THREADS", 2);
+    let shared = env_or("KINFERENCE_BENCH_FANIN_SHARED", 0u8) == 1;
 
     if let Some(limit) = open_file_limit() {
         // SUB, its monitor and their pair here, XPUB + listener + connection in the child.
@@ -584,8 +608,9 @@ fn main() {
         );
     }
     println!(
-        "# fan-in: {workers} workers, {secs} s, {}, depth {depth} ({} blocks each), window {window}, \
+        "# fan-in: {workers} workers{}, {secs} s, {}, depth {depth} ({} blocks each), window {window}, \
          router runtime {threads} threads",
+        if shared { " on one shared bound endpoint" } else { "" },
         if rate > 0.0 {
             format!("offered {rate} msg/s")
         } else {
@@ -594,24 +619,6 @@ fn main() {
         depth * PER_STEP as u64,
     );
     stages(workers, depth, if full { 10_000 } else { 500 });
-
-    let mut child = ChildIo::spawn(&[
-        ("KINFERENCE_BENCH_FANIN_WORKERS", workers.to_string()),
-        ("KINFERENCE_BENCH_FANIN_SECS", secs.to_string()),
-        ("KINFERENCE_BENCH_FANIN_RATE", rate.to_string()),
-        ("KINFERENCE_BENCH_FANIN_DEPTH", depth.to_string()),
-        ("KINFERENCE_BENCH_FANIN_WINDOW", window.to_string()),
-    ]);
-    let mut endpoints = Vec::new();
-    loop {
-        let line = child.line();
-        match line.strip_prefix("endpoint ") {
-            Some(ep) => endpoints.push(ep.to_owned()),
-            None if line == "bound" => break,
-            None => panic!("unexpected from publisher: {line}"),
-        }
-    }
-    assert_eq!(endpoints.len(), workers);
 
     let runtime_tids = Arc::new(Mutex::new(std::collections::HashSet::new()));
     let tids = runtime_tids.clone();
@@ -624,16 +631,53 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
+    let plane = rt.block_on(async { EventPlane::start(EventPlaneConfig::default()).unwrap() });
+    let mut env = vec![
+        ("KINFERENCE_BENCH_FANIN_WORKERS", workers.to_string()),
+        ("KINFERENCE_BENCH_FANIN_SECS", secs.to_string()),
+        ("KINFERENCE_BENCH_FANIN_RATE", rate.to_string()),
+        ("KINFERENCE_BENCH_FANIN_DEPTH", depth.to_string()),
+        ("KINFERENCE_BENCH_FANIN_WINDOW", window.to_string()),
+    ];
     let t_setup = Instant::now();
-    let (plane, ids) = rt.block_on(async {
-        let plane = EventPlane::start(EventPlaneConfig::default()).unwrap();
-        let mut ids = Vec::with_capacity(workers);
-        for (i, ep) in endpoints.iter().enumerate() {
-            let cfg = WorkerConfig::connect(ReplicaId(i as u32), DpRank(0), ep).with_topic(TOPIC);
-            ids.push(plane.add_worker(cfg).await.unwrap());
+    let mut ids = Vec::with_capacity(workers);
+    if shared {
+        // A port-0 endpoint is never shared (each asks for a port of its own): pick one.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let ep = format!("tcp://127.0.0.1:{port}");
+        rt.block_on(async {
+            for i in 0..workers {
+                let cfg = WorkerConfig::bind(ReplicaId(i as u32), DpRank(0), &ep)
+                    .with_topic(&shared_topic(i));
+                ids.push(plane.add_worker(cfg).await.unwrap());
+            }
+        });
+        env.push((SHARED_ENV, ep));
+    }
+    let mut child = ChildIo::spawn(&env);
+    let mut endpoints = Vec::new();
+    loop {
+        let line = child.line();
+        match line.strip_prefix("endpoint ") {
+            Some(ep) => endpoints.push(ep.to_owned()),
+            None if line == "bound" => break,
+            None => panic!("unexpected from publisher: {line}"),
         }
-        (plane, ids)
-    });
+    }
+    if !shared {
+        assert_eq!(endpoints.len(), workers);
+        rt.block_on(async {
+            for (i, ep) in endpoints.iter().enumerate() {
+                let cfg =
+                    WorkerConfig::connect(ReplicaId(i as u32), DpRank(0), ep).with_topic(TOPIC);
+                ids.push(plane.add_worker(cfg).await.unwrap());
+            }
+        });
+    }
     let line = child.line();
     assert_eq!(line, "subscribed");
     println!(

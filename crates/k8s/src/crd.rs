@@ -9,8 +9,8 @@
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
-use kinference_policy::PolicyConfig;
-use kinference_vllm::HashAlgo;
+use kinference_policy::{ConfigErrors, PolicyConfig};
+use kinference_vllm::{HashAlgo, HashError};
 use kube::{CustomResource, CustomResourceExt};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
@@ -267,10 +267,10 @@ impl KinferencePoolSpec {
             errs.push("hashing.blockSize: must be positive".to_owned());
         }
         if let Err(e) = self.hashing.hash_algo() {
-            errs.push(e);
+            errs.push(e.to_string());
         }
         if let Err(e) = self.policy.policy_config() {
-            errs.push(format!("policy: {e}"));
+            errs.push(e.to_string());
         }
         if self.events.bind.is_some() && self.events.port.is_some() {
             errs.push("events: set either bind (pods connect to the router) or port (the router dials each pod), not both".to_owned());
@@ -297,10 +297,22 @@ impl KinferencePoolSpec {
     }
 }
 
+/// Why a `KinferencePool`'s policy or hashing cannot be used; shown in its `Accepted`
+/// condition.
+#[derive(Debug, thiserror::Error)]
+pub enum SpecError {
+    #[error("policy: {0}")]
+    PolicyShape(#[source] serde_json::Error),
+    #[error("policy: {0}")]
+    Policy(#[source] ConfigErrors),
+    #[error("hashing.algorithm: {0}")]
+    HashAlgo(#[source] HashError),
+}
+
 impl RoutingPolicy {
     /// The router's [`PolicyConfig`], through the policy crate's own parser and validation.
-    pub fn policy_config(&self) -> Result<PolicyConfig, String> {
-        let kind = serde_json::to_value(self.kind).map_err(|e| e.to_string())?;
+    pub fn policy_config(&self) -> Result<PolicyConfig, SpecError> {
+        let kind = serde_json::to_value(self.kind).map_err(SpecError::PolicyShape)?;
         let mut obj = Map::new();
         obj.insert("kind".into(), kind);
         let weights = self.weights.as_ref().map(PolicyWeights::snake_case);
@@ -320,8 +332,8 @@ impl RoutingPolicy {
             PolicyKind::RoundRobin | PolicyKind::LeastLoad | PolicyKind::SessionAffinity => {}
         }
         let cfg: PolicyConfig =
-            serde_json::from_value(Value::Object(obj)).map_err(|e| format!("policy: {e}"))?;
-        cfg.checked()
+            serde_json::from_value(Value::Object(obj)).map_err(SpecError::PolicyShape)?;
+        cfg.checked().map_err(SpecError::Policy)
     }
 }
 
@@ -358,10 +370,8 @@ impl PolicyWeights {
 
 impl Hashing {
     /// The algorithm, checked by the hashing crate's parser.
-    pub fn hash_algo(&self) -> Result<HashAlgo, String> {
-        self.algorithm
-            .parse()
-            .map_err(|e| format!("hashing.algorithm: {e}"))
+    pub fn hash_algo(&self) -> Result<HashAlgo, SpecError> {
+        self.algorithm.parse().map_err(SpecError::HashAlgo)
     }
 }
 
@@ -416,8 +426,11 @@ mod tests {
             }),
             ..RoutingPolicy::default()
         };
-        let e = bad.policy_config().unwrap_err();
-        assert!(e.contains("fair_share_cap"), "{e}");
+        let e = bad.policy_config().unwrap_err().to_string();
+        assert!(
+            e.starts_with("policy: ") && e.contains("fair_share_cap"),
+            "{e}"
+        );
     }
 
     #[test]

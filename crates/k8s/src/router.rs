@@ -458,6 +458,7 @@ mod tests {
             unscorable_reason: unscorable.map(String::from),
             cache_config: Some(CacheConfigStatus {
                 block_size: Some(16),
+                num_gpu_blocks: Some(4096),
                 hash_algo: Some("sha256".into()),
                 prefix_caching: Some(true),
             }),

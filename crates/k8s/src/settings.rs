@@ -80,7 +80,10 @@ pub fn overlay(
     if !errors.is_empty() {
         return Err(errors);
     }
-    let policy = spec.policy.policy_config().map_err(|e| vec![e])?;
+    let policy = spec
+        .policy
+        .policy_config()
+        .map_err(|e| vec![e.to_string()])?;
     let mut changed = Vec::new();
     let mut set = |field: &str, differs: bool| {
         if differs {

@@ -22,7 +22,6 @@ use kinference_k8s::KinferencePool;
 use kinference_proxy::api::ExplainResponse;
 use kinference_proxy::{Proxy, ReplicaSpec};
 use kinference_testkit::{metric, sim, WAIT};
-use kube::api::PostParams;
 use kube::{Api, Client};
 
 /// Two routers on one discovered pool: a prefix served through one is found in the index of
@@ -35,20 +34,12 @@ async fn two_routers_route_precisely_through_a_discovered_pool() {
     let client = admin(&kc).await;
     install_crds(&client).await;
     let ns = namespace(&client, "route").await;
-    let mut reps = Replicas::new("127.0.1.1").await;
-    create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
-    Api::<KinferencePool>::namespaced(client.clone(), &ns)
-        .create(
-            &PostParams::default(),
-            &KinferencePool::new("llama-routing", routing_spec("llama")),
-        )
-        .await
-        .unwrap();
-    let mut want = Vec::new();
-    for (pod, ip) in [("a", "127.0.1.1"), ("b", "127.0.1.2"), ("c", "127.0.1.3")] {
-        want.push(reps.at(ip).await);
-        ready_pod(&client, &ns, pod, ip).await;
-    }
+    let pods = [("a", "127.0.1.1"), ("b", "127.0.1.2"), ("c", "127.0.1.3")];
+    let RoutedPool {
+        reps: _replicas,
+        urls: want,
+        ..
+    } = routed_pool(&client, &ns, routing_spec("llama"), &pods, None).await;
     let (one, t1) = router(&client, &ns, "llama", None).await;
     let (two, t2) = router(&client, &ns, "llama", None).await;
     wait_fleet(&one, &want).await;
@@ -76,30 +67,18 @@ async fn an_h2c_pool_is_spoken_to_with_http2() {
     let client = admin(&kc).await;
     install_crds(&client).await;
     let ns = namespace(&client, "h2c").await;
-    let mut reps = Replicas::new("127.0.9.1").await;
-    let ports = [reps.port];
-    create_pool_with(
+    let ips = ["127.0.9.1", "127.0.9.2"];
+    let pods = [("a", ips[0]), ("b", ips[1])];
+    let RoutedPool {
+        reps, urls: want, ..
+    } = routed_pool(
         &client,
         &ns,
-        "llama",
-        "vllm",
-        &ports,
+        routing_spec("llama"),
+        &pods,
         Some("kubernetes.io/h2c"),
     )
     .await;
-    Api::<KinferencePool>::namespaced(client.clone(), &ns)
-        .create(
-            &PostParams::default(),
-            &KinferencePool::new("llama-routing", routing_spec("llama")),
-        )
-        .await
-        .unwrap();
-    let ips = ["127.0.9.1", "127.0.9.2"];
-    let mut want = Vec::new();
-    for (pod, ip) in ["a", "b"].into_iter().zip(ips) {
-        want.push(reps.at(ip).await);
-        ready_pod(&client, &ns, pod, ip).await;
-    }
     let (proxy, task) = router(&client, &ns, "llama", None).await;
     // Up (scraped) with events connected (found through /kv_event_sources): both over HTTP/2.
     wait_fleet(&proxy, &want).await;

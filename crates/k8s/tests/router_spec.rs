@@ -15,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kinference_k8s::crd::{KinferencePoolStatus, PolicyKind};
 use kinference_k8s::KinferencePool;
 use kinference_testkit::{metric, WAIT};
-use kube::api::{Patch, PatchParams, PostParams};
+use kube::api::{Patch, PatchParams};
 use kube::Api;
 use serde_json::json;
 
@@ -27,19 +27,13 @@ async fn the_kinference_pools_hashing_and_policy_win_over_the_routers() {
     let client = admin(&kc).await;
     install_crds(&client).await;
     let ns = namespace(&client, "spec").await;
-    let mut reps = Replicas::new("127.0.6.1").await;
-    create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
-    let api = Api::<KinferencePool>::namespaced(client.clone(), &ns);
     let mut spec = routing_spec("llama");
     spec.policy.kind = PolicyKind::LeastLoad;
-    api.create(
-        &PostParams::default(),
-        &KinferencePool::new("llama-routing", spec),
-    )
-    .await
-    .unwrap();
-    let want = vec![reps.at("127.0.6.1").await];
-    ready_pod(&client, &ns, "a", "127.0.6.1").await;
+    let RoutedPool {
+        reps: _replicas,
+        api,
+        urls: want,
+    } = routed_pool(&client, &ns, spec, &[("a", "127.0.6.1")], None).await;
     let (proxy, task) = start_router(&client, &ns, vec![discovered(&ns, "llama", 16)]).await;
     wait_fleet(&proxy, &want).await;
     let s = proxy
@@ -155,17 +149,18 @@ async fn spec_changes_apply_live_and_a_bad_spec_keeps_the_last_good_one() {
     let client = admin(&kc).await;
     install_crds(&client).await;
     let ns = namespace(&client, "live").await;
-    let mut reps = Replicas::new("127.0.6.21").await;
-    create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
-    let api = Api::<KinferencePool>::namespaced(client.clone(), &ns);
-    api.create(
-        &PostParams::default(),
-        &KinferencePool::new("llama-routing", routing_spec("llama")),
+    let RoutedPool {
+        reps: _replicas,
+        api,
+        urls: want,
+    } = routed_pool(
+        &client,
+        &ns,
+        routing_spec("llama"),
+        &[("a", "127.0.6.21")],
+        None,
     )
-    .await
-    .unwrap();
-    let want = vec![reps.at("127.0.6.21").await];
-    ready_pod(&client, &ns, "a", "127.0.6.21").await;
+    .await;
     let (proxy, task) = start_router(&client, &ns, vec![discovered(&ns, "llama", BLOCK)]).await;
     wait_fleet(&proxy, &want).await;
     let g = generation(&api).await;
@@ -376,17 +371,18 @@ async fn the_predicted_hit_rate_is_reported() {
     let client = admin(&kc).await;
     install_crds(&client).await;
     let ns = namespace(&client, "predicted").await;
-    let mut reps = Replicas::new("127.0.6.11").await;
-    create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
-    let api = Api::<KinferencePool>::namespaced(client.clone(), &ns);
-    api.create(
-        &PostParams::default(),
-        &KinferencePool::new("llama-routing", routing_spec("llama")),
+    let RoutedPool {
+        reps: _replicas,
+        api,
+        urls: want,
+    } = routed_pool(
+        &client,
+        &ns,
+        routing_spec("llama"),
+        &[("a", "127.0.6.11")],
+        None,
     )
-    .await
-    .unwrap();
-    let want = vec![reps.at("127.0.6.11").await];
-    ready_pod(&client, &ns, "a", "127.0.6.11").await;
+    .await;
     let (proxy, task) = start_router(&client, &ns, vec![discovered(&ns, "llama", BLOCK)]).await;
     wait_fleet(&proxy, &want).await;
     let http = reqwest::Client::new();

@@ -20,11 +20,8 @@ use std::process::{Child, Command, Stdio};
 
 use common::router::*;
 use common::*;
-use kinference_k8s::KinferencePool;
 use kinference_proxy::api::{ExplainResponse, Health, ReplicasResponse};
 use kinference_testkit::{unused_port, WAIT};
-use kube::api::PostParams;
-use kube::Api;
 
 /// The `kinference` binary to run, or `None` (after saying why) when there is none.
 fn serve_binary() -> Option<PathBuf> {
@@ -92,21 +89,12 @@ async fn kinference_serve_routes_a_kinference_pool_precisely() {
     let client = admin(&kc).await;
     install_crds(&client).await;
     let ns = namespace(&client, "serve").await;
-    let mut reps = Replicas::new("127.0.8.1").await;
-    create_pool(&client, &ns, "llama", "vllm", &[reps.port]).await;
-    let api = Api::<KinferencePool>::namespaced(client.clone(), &ns);
-    api.create(
-        &PostParams::default(),
-        &KinferencePool::new("llama-routing", routing_spec("llama")),
-    )
-    .await
-    .unwrap();
-    let mut want = Vec::new();
-    for (pod, ip) in [("a", "127.0.8.1"), ("b", "127.0.8.2")] {
-        want.push(reps.at(ip).await);
-        ready_pod(&client, &ns, pod, ip).await;
-    }
-    want.sort();
+    let pods = [("a", "127.0.8.1"), ("b", "127.0.8.2")];
+    let RoutedPool {
+        reps: _replicas,
+        api,
+        urls: want,
+    } = routed_pool(&client, &ns, routing_spec("llama"), &pods, None).await;
 
     // Ports chosen before the process binds them: it takes them as flags.
     let data: SocketAddr = format!("127.0.0.1:{}", unused_port()).parse().unwrap();

@@ -136,6 +136,18 @@ pub struct ConfigError {
     pub problem: String,
 }
 
+/// Every problem [`PolicyConfig::validate`] found (never empty), shown joined with `; `.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("{}", joined(.0))]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+fn joined(errs: &[ConfigError]) -> String {
+    errs.iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
 impl PolicyConfig {
     /// The policy's name as in the config file and in metrics.
     pub fn name(&self) -> &'static str {
@@ -160,17 +172,14 @@ impl PolicyConfig {
         })
     }
 
-    /// `self` if it validates, else every problem joined with `; `.
-    pub fn checked(self) -> Result<Self, String> {
+    /// `self` if it validates, else every problem.
+    pub fn checked(self) -> Result<Self, ConfigErrors> {
         let errs = self.validate();
         if errs.is_empty() {
-            return Ok(self);
+            Ok(self)
+        } else {
+            Err(ConfigErrors(errs))
         }
-        Err(errs
-            .iter()
-            .map(ToString::to_string)
-            .collect::<Vec<_>>()
-            .join("; "))
     }
 
     /// Every problem with the settings, not just the first.

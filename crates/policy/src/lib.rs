@@ -22,10 +22,12 @@
 mod config;
 mod policy;
 mod score;
+mod shadow;
 mod tracker;
 mod types;
 
-pub use config::{ApproximateConfig, ConfigError, PolicyConfig, PreciseConfig};
+pub use config::{ApproximateConfig, ConfigError, ConfigErrors, PolicyConfig, PreciseConfig};
 pub use policy::{Applied, Policy};
+pub use shadow::{Guess, Shadow, ShadowError};
 pub use tracker::{Inserted, PrefixTracker};
 pub use types::{Candidate, Decision, Load, Reason, RequestCtx, Score};

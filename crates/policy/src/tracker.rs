@@ -48,6 +48,21 @@ impl PrefixTracker {
         self.ttl
     }
 
+    /// The most (block, worker) pairs kept.
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// Changes the bound; pairs beyond it go at once, the earliest deadline first.
+    pub fn set_capacity(&mut self, capacity: usize) {
+        self.capacity = capacity.max(1);
+        while self.len > self.capacity {
+            if !self.pop_oldest() {
+                break;
+            }
+        }
+    }
+
     /// (block, worker) pairs held, live or expired but not yet dropped.
     pub fn len(&self) -> usize {
         self.len

@@ -106,6 +106,14 @@ function renderSavings(d) {
   show("saved-kwh", fmtNum(t.saved_kwh * 1000, 2) + " Wh", t.saved_kwh);
   show("saved-usd", "$" + fmtNum(t.saved_usd, 4), t.saved_usd);
   show("observed", fmtInt(t.requests_observed), t.requests_observed);
+  // Against each baseline: what it would have saved had it routed the same requests itself.
+  const rate = (x) => (t.prompt_tokens ? fmtNum((100 * x) / t.prompt_tokens, 1) + " %" : "–");
+  const vs = (s.baselines || []).map((b) =>
+    `Saved vs ${b.policy} (estimated): ${fmtNum(b.saved_vs_gpu_seconds, 2)} GPU·s, ` +
+    `$${fmtNum(b.saved_vs_usd, 4)}; hit rate ${rate(t.saved_prefill_tokens)} measured, ` +
+    `${rate(b.cached_tokens)} for ${b.policy}.`);
+  const first = (s.baselines || [])[0];
+  show("baselines", vs.join(" "), first ? first.saved_vs_gpu_seconds : undefined);
   const profiles = s.pools.map((p) => `${p.name}: ${p.profile} (${p.gpus_per_replica} GPU/replica)`).join("; ");
   show("prices", `Valued at $${s.usd_per_gpu_hour}/GPU-hour and ${s.gpu_watts} W/GPU; ` +
     `GPU time from the timing profile of each pool (${profiles}), for the cached tokens the replicas reported.`);

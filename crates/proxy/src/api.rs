@@ -222,6 +222,9 @@ pub struct ScrapeCounts {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CacheConfigStatus {
     pub block_size: Option<u32>,
+    /// KV blocks of one engine (`num_gpu_blocks`).
+    #[serde(default)]
+    pub num_gpu_blocks: Option<u64>,
     pub hash_algo: Option<String>,
     pub prefix_caching: Option<bool>,
 }
@@ -318,7 +321,28 @@ pub struct SavingsResponse {
     pub gpu_watts: f64,
     /// Every pool together.
     pub total: SavingsFigures,
+    /// Every pool together, against each baseline some pool compares with.
+    #[serde(default)]
+    pub baselines: Vec<BaselineSavings>,
     pub pools: Vec<PoolSavings>,
+}
+
+/// The savings against a baseline policy (`baselines`), estimated over the same requests as
+/// [`SavingsFigures`]: what the baseline would have found cached had it routed all the
+/// traffic itself, from its own decisions and cache model (never sent anything).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BaselineSavings {
+    /// `round-robin`, `least-load` or `approximate`.
+    pub policy: String,
+    /// Prompt tokens the baseline would have found cached.
+    pub cached_tokens: u64,
+    /// The prefill GPU-seconds the baseline would have saved.
+    pub gpu_seconds: f64,
+    /// Saved against the baseline: the measured savings minus the baseline's (negative when
+    /// the baseline would have done better).
+    pub saved_vs_gpu_seconds: f64,
+    pub saved_vs_kwh: f64,
+    pub saved_vs_usd: f64,
 }
 
 /// One pool's part of a [`SavingsResponse`].
@@ -331,6 +355,8 @@ pub struct PoolSavings {
     pub gpus_per_replica: u32,
     #[serde(flatten)]
     pub figures: SavingsFigures,
+    #[serde(default)]
+    pub baselines: Vec<BaselineSavings>,
 }
 
 /// Savings since start. The tokens are those the replicas reported served from cache
@@ -339,6 +365,9 @@ pub struct PoolSavings {
 pub struct SavingsFigures {
     /// Routed requests whose response reported its cached tokens.
     pub requests_observed: u64,
+    /// Their prompt tokens (the hit rate's denominator).
+    #[serde(default)]
+    pub prompt_tokens: u64,
     /// Prefill tokens not recomputed.
     pub saved_prefill_tokens: u64,
     /// GPU-seconds of prefill they would have cost.

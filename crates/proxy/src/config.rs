@@ -325,10 +325,20 @@ pub struct PoolConfig {
     /// what prefilling a prompt costs on its replicas, on how many GPUs each.
     #[serde(default = "default_savings_profile")]
     pub savings_profile: String,
+    /// Policies the savings are compared with (`round-robin`, `least-load`, `approximate`):
+    /// each request is also decided by each of them, without sending anything, and what its
+    /// choice would have found cached had it routed all the traffic is counted ("saved vs
+    /// round-robin, estimated"). An empty list turns the comparison off.
+    #[serde(default = "default_baselines")]
+    pub baselines: Vec<String>,
 }
 
 fn default_savings_profile() -> String {
     crate::savings::DEFAULT_PROFILE.to_owned()
+}
+
+fn default_baselines() -> Vec<String> {
+    vec!["round-robin".to_owned()]
 }
 
 /// A Kubernetes `InferencePool` (`inference.networking.k8s.io/v1`) whose ready pods are a
@@ -373,6 +383,7 @@ impl PoolConfig {
             replicas: Vec::new(),
             inference_pool: None,
             savings_profile: default_savings_profile(),
+            baselines: default_baselines(),
         }
     }
 
@@ -1077,6 +1088,17 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
         }
     }
     check_shared_binds(pool, path, errs);
+    let mut seen = BTreeSet::new();
+    for (j, b) in pool.baselines.iter().enumerate() {
+        if let Err(e) = kinference_policy::Shadow::new(b, 1) {
+            errs.push(format!("{path}.baselines[{j}]"), e.to_string());
+        } else if !seen.insert(b.as_str()) {
+            errs.push(
+                format!("{path}.baselines[{j}]"),
+                format!("{b} is listed twice"),
+            );
+        }
+    }
     let savings = SavingsModel::builtin(&pool.savings_profile)
         .map_err(|e| errs.push(format!("{path}.savings_profile"), e.to_string()))
         .ok();

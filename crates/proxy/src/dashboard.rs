@@ -13,7 +13,8 @@ use std::time::Duration;
 use kinference_vllm::metrics::text;
 
 use crate::api::{
-    HistoryPoint, PoolSavings, ReplicaLoad, ReplicasResponse, SavingsFigures, SavingsResponse,
+    BaselineSavings, HistoryPoint, PoolSavings, ReplicaLoad, ReplicasResponse, SavingsFigures,
+    SavingsResponse,
 };
 use crate::fleet::Fleet;
 use crate::savings::Prices;
@@ -184,43 +185,90 @@ pub(crate) fn loads(snapshot: &ReplicasResponse) -> Vec<ReplicaLoad> {
         .collect()
 }
 
-/// The savings since start, per pool and in total, valued at `prices`.
+/// The savings since start, per pool and in total, valued at `prices`, and against each
+/// pool's baselines.
 pub(crate) fn savings(fleet: &Fleet, prices: Prices) -> SavingsResponse {
-    let figures = |observed: u64, tokens: u64, gpu_seconds: f64| SavingsFigures {
+    let figures = |observed: u64, prompt: u64, tokens: u64, gpu_seconds: f64| SavingsFigures {
         requests_observed: observed,
+        prompt_tokens: prompt,
         saved_prefill_tokens: tokens,
         saved_gpu_seconds: gpu_seconds,
         saved_kwh: prices.kwh(gpu_seconds),
         saved_usd: prices.usd(gpu_seconds),
+    };
+    let against = |policy: &str, tokens: u64, baseline: f64, saved: f64| {
+        let vs = saved - baseline;
+        BaselineSavings {
+            policy: policy.to_owned(),
+            cached_tokens: tokens,
+            gpu_seconds: baseline,
+            saved_vs_gpu_seconds: vs,
+            saved_vs_kwh: prices.kwh(vs),
+            saved_vs_usd: prices.usd(vs),
+        }
     };
     let pools: Vec<PoolSavings> = fleet
         .pools
         .iter()
         .map(|p| {
             let saved = fleet.metrics.saved(&p.name);
+            let names: Vec<&'static str> =
+                p.rules().shadows.lock().iter().map(|s| s.name()).collect();
+            let baselines = names
+                .into_iter()
+                .map(|policy| {
+                    let b = fleet.metrics.baseline_saved(&p.name, policy);
+                    against(policy, b.tokens, b.gpu_seconds, saved.gpu_seconds)
+                })
+                .collect();
             PoolSavings {
                 name: p.name.clone(),
                 profile: p.savings.profile.clone(),
                 gpus_per_replica: p.savings.gpus,
                 figures: figures(
                     fleet.metrics.usage_count(&p.name),
+                    fleet.metrics.usage_prompt_tokens(&p.name),
                     saved.tokens,
                     saved.gpu_seconds,
                 ),
+                baselines,
             }
         })
         .collect();
     let sum = |f: fn(&SavingsFigures) -> f64| pools.iter().map(|p| f(&p.figures)).sum::<f64>();
     let total = figures(
         pools.iter().map(|p| p.figures.requests_observed).sum(),
+        pools.iter().map(|p| p.figures.prompt_tokens).sum(),
         pools.iter().map(|p| p.figures.saved_prefill_tokens).sum(),
         sum(|f| f.saved_gpu_seconds),
     );
+    // A total against a baseline only covers the pools that compare with it:
+    // (policy, cached tokens, the baseline's GPU-seconds, the measured GPU-seconds).
+    let mut sums: Vec<(&str, u64, f64, f64)> = Vec::new();
+    for p in &pools {
+        for b in &p.baselines {
+            let i = match sums.iter().position(|t| t.0 == b.policy) {
+                Some(i) => i,
+                None => {
+                    sums.push((&b.policy, 0, 0.0, 0.0));
+                    sums.len() - 1
+                }
+            };
+            sums[i].1 += b.cached_tokens;
+            sums[i].2 += b.gpu_seconds;
+            sums[i].3 += p.figures.saved_gpu_seconds;
+        }
+    }
+    let totals = sums
+        .into_iter()
+        .map(|(policy, tokens, baseline, saved)| against(policy, tokens, baseline, saved))
+        .collect();
     SavingsResponse {
         uptime_secs: fleet.now().as_secs_f64(),
         usd_per_gpu_hour: prices.usd_per_gpu_hour,
         gpu_watts: prices.gpu_watts,
         total,
+        baselines: totals,
         pools,
     }
 }

@@ -19,6 +19,8 @@
 use std::sync::Arc;
 
 use http::HeaderMap;
+#[cfg(doc)]
+use kinference_policy::Shadow;
 use kinference_policy::{Applied, Candidate, Decision, RequestCtx};
 use kinference_tokenize::{ChatRequest, CompletionRequest, TokenizeError};
 use kinference_vllm::BlockHash;
@@ -30,6 +32,7 @@ use crate::error::RequestError;
 use crate::fleet::{Fleet, Pool, Replica, Rules};
 use crate::limits::{Admitted, Shed, ShedLabels};
 use crate::metrics::{DecisionLabels, KindLabel, PoolKind, PoolLabel, RequestLabels};
+use crate::savings::BaselineGuess;
 
 /// Which OpenAI API a routed request uses.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -221,6 +224,8 @@ pub(crate) struct Routed {
     pub prepared: Prepared,
     pub decision: Decision,
     pub targets: Vec<Target>,
+    /// What each of the pool's baselines would have found cached (see [`Shadow`]).
+    pub baselines: Vec<BaselineGuess>,
     /// The speculative entries the decision recorded, until the outcome is known.
     applied: Applied,
 }
@@ -228,7 +233,7 @@ pub(crate) struct Routed {
 /// Decides where a prepared request goes and records the decision's effects on the policy
 /// (speculative entries) under the same lock hold.
 pub(crate) fn route(fleet: &Fleet, prepared: Prepared) -> Routed {
-    let (decision, applied) = select(fleet, &prepared, true);
+    let (decision, applied, baselines) = select(fleet, &prepared, true);
     let pool = &prepared.pool;
     let targets = decision
         .ranked
@@ -249,6 +254,7 @@ pub(crate) fn route(fleet: &Fleet, prepared: Prepared) -> Routed {
         prepared,
         decision,
         targets,
+        baselines,
         applied,
     }
 }
@@ -412,7 +418,10 @@ async fn room(pool: &Pool, subset: Option<&[String]>) -> Result<(), Shed> {
 
 /// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
 /// the policy (speculative entries) are recorded under the same lock hold.
-fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied) {
+/// The policy's decision and, on the data plane (`apply`), its effects recorded and the
+/// baselines' guesses for the same request (after the policy's lock is released: the
+/// baselines never hold up a decision of another request).
+fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied, Vec<BaselineGuess>) {
     let candidates = candidates(&p.pool, p.rules.uses_index, &p.hashes, p.subset.as_deref());
     let ctx = RequestCtx {
         hashes: &p.hashes,
@@ -422,19 +431,37 @@ fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied) {
         ticket: p.ticket,
     };
     let now = fleet.now();
-    let mut policy = p.rules.policy.lock();
-    let decision = policy.select(&ctx, &candidates, now);
-    let applied = if apply {
-        policy.apply(&decision, &p.hashes, now)
-    } else {
-        Applied::default()
+    let (decision, applied) = {
+        let mut policy = p.rules.policy.lock();
+        let decision = policy.select(&ctx, &candidates, now);
+        let applied = if apply {
+            policy.apply(&decision, &p.hashes, now)
+        } else {
+            Applied::default()
+        };
+        (decision, applied)
     };
-    (decision, applied)
+    let mut baselines = Vec::new();
+    if apply {
+        let mut shadows = p.rules.shadows.lock();
+        baselines.reserve(shadows.len());
+        for s in shadows.iter_mut() {
+            let guess = s.observe(&ctx, &candidates, now);
+            baselines.push(BaselineGuess {
+                policy: s.name(),
+                cached_tokens: guess
+                    .cached_blocks
+                    .saturating_mul(p.rules.block_size)
+                    .min(p.prompt_tokens),
+            });
+        }
+    }
+    (decision, applied, baselines)
 }
 
 /// The `/debug/explain` answer for a prepared request.
 pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared) -> ExplainResponse {
-    let (decision, _) = select(fleet, p, false);
+    let (decision, _, _) = select(fleet, p, false);
     let candidates = decision
         .scores
         .iter()

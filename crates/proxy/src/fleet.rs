@@ -32,7 +32,7 @@ use std::time::Duration;
 use http::HeaderName;
 use kinference_events::{EventPlane, EventPlaneConfig, ReplicaConfig, WorkerConfig};
 use kinference_index::{Index, ReplicaId, WorkerId};
-use kinference_policy::{Load, Policy};
+use kinference_policy::{Load, Policy, Shadow};
 use kinference_tokenize::{Tokenizer, TokenizerOptions};
 use kinference_vllm::{BlockHasher, DpRank, Lora};
 use parking_lot::{Mutex, RwLock};
@@ -46,7 +46,7 @@ use crate::config::{
 use crate::error::{RequestError, StartError};
 use crate::limits::{Gate, QueueLabel};
 use crate::metrics::Metrics;
-use crate::savings::SavingsModel;
+use crate::savings::{BaselineGuess, Saved, SavingsModel};
 use crate::upstream::Upstream;
 
 /// Settings the request path reads.
@@ -86,15 +86,29 @@ impl Fleet {
     }
 
     /// A routed response of `pool` whose replica reported `actual` of its `prompt_tokens`
-    /// served from cache, where the policy predicted `predicted`.
-    pub fn record_usage(&self, pool: &str, prompt_tokens: u32, predicted: u32, actual: u64) {
-        let saved = self
-            .pools
+    /// served from cache, where the policy predicted `predicted` and the baselines guessed
+    /// `baselines`.
+    pub fn record_usage(
+        &self,
+        pool: &str,
+        prompt_tokens: u32,
+        predicted: u32,
+        actual: u64,
+        baselines: &[BaselineGuess],
+    ) {
+        let Some(p) = self.pools.iter().find(|p| p.name == pool) else {
+            return;
+        };
+        let saved = p.savings.saved(prompt_tokens, actual);
+        let guesses: Vec<(&'static str, Saved)> = baselines
             .iter()
-            .find(|p| p.name == pool)
-            .map(|p| p.savings.saved(prompt_tokens, actual))
-            .unwrap_or_default();
-        self.metrics.record_usage(pool, predicted, actual, saved);
+            .map(|b| {
+                let saved = p.savings.saved(prompt_tokens, u64::from(b.cached_tokens));
+                (b.policy, saved)
+            })
+            .collect();
+        self.metrics
+            .record_usage(pool, prompt_tokens, predicted, actual, saved, &guesses);
     }
 
     /// The pool serving `model` (the first pool when the request names none).
@@ -223,6 +237,9 @@ pub(crate) struct Rules {
     /// Shared with the next rules when neither the policy's settings nor the hashing change,
     /// so that its records (speculative entries, the approximate policy's view) carry over.
     pub policy: Arc<Mutex<Policy>>,
+    /// The baselines the savings are compared with (`baselines`), each with its own picture of
+    /// the caches; carried over like `policy` when the hashing and the list stay the same.
+    pub shadows: Arc<Mutex<Vec<Shadow>>>,
     pub policy_name: &'static str,
     pub uses_index: bool,
     pub session_header: Option<HeaderName>,
@@ -252,16 +269,25 @@ impl Rules {
                 Arc::new(Tokenizer::from_dir_with(&pc.tokenizer, options)?)
             }
         };
-        let same_policy = same_tokenizer.filter(|p| {
-            p.config.policy == pc.policy
-                && p.block_size == pc.block_size
+        let same_hashing = same_tokenizer.filter(|p| {
+            p.block_size == pc.block_size
                 && p.hasher.algo() == hasher.algo()
                 && p.hasher.seed() == hasher.seed()
                 && p.config.extra_keys_format == pc.extra_keys_format
         });
-        let policy = match same_policy {
+        let policy = match same_hashing.filter(|p| p.config.policy == pc.policy) {
             Some(p) => p.policy.clone(),
             None => Arc::new(Mutex::new(Policy::new(pc.policy.clone()))),
+        };
+        let shadows = match same_hashing.filter(|p| p.config.baselines == pc.baselines) {
+            Some(p) => p.shadows.clone(),
+            // The names were checked with the configuration; one that fails here is left out.
+            None => Arc::new(Mutex::new(
+                pc.baselines
+                    .iter()
+                    .filter_map(|b| Shadow::new(b, BASELINE_CAPACITY_UNKNOWN).ok())
+                    .collect(),
+            )),
         };
         let (policy_name, uses_index) = {
             let p = policy.lock();
@@ -273,6 +299,7 @@ impl Rules {
             hasher,
             block_size: pc.block_size,
             policy,
+            shadows,
             policy_name,
             uses_index,
             session_header,
@@ -340,6 +367,33 @@ impl Pool {
         self.rules.read().clone()
     }
 
+    /// The KV blocks of one engine (DP rank) of the pool, on average over the replicas that
+    /// reported theirs, or `None` while none has.
+    pub fn blocks_per_worker(&self) -> Option<u64> {
+        let (blocks, n) = self
+            .replicas()
+            .iter()
+            .filter_map(|r| r.info.lock().cache_config.as_ref()?.num_gpu_blocks)
+            .fold((0u64, 0u64), |(b, n), x| (b.saturating_add(x), n + 1));
+        (n > 0).then(|| blocks / n)
+    }
+
+    /// Once a second: the policy's and the baselines' expired records go, and the baselines'
+    /// cache bound follows the pool's KV capacity.
+    pub fn tick(&self, now: Duration) {
+        let rules = self.rules();
+        rules.policy.lock().expire(now);
+        let capacity = self
+            .blocks_per_worker()
+            .map_or(BASELINE_CAPACITY_UNKNOWN, |b| {
+                usize::try_from(b).unwrap_or(usize::MAX)
+            });
+        for s in rules.shadows.lock().iter_mut() {
+            s.expire(now);
+            s.set_capacity(capacity);
+        }
+    }
+
     /// Replaces the rules; requests already prepared finish with the ones they took.
     pub fn set_rules(&self, rules: Rules) {
         *self.rules.write() = Arc::new(rules);
@@ -391,6 +445,10 @@ impl Pool {
 }
 
 /// Health as stored in an atomic.
+/// The baselines' cache bound per worker, in blocks, until a replica of the pool reports its KV
+/// capacity (`num_gpu_blocks` of `vllm:cache_config_info`).
+pub(crate) const BASELINE_CAPACITY_UNKNOWN: usize = 1 << 16;
+
 const UNKNOWN: u8 = 0;
 const UP: u8 = 1;
 const DOWN: u8 = 2;

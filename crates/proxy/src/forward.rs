@@ -38,6 +38,7 @@ use crate::fleet::{Fleet, InFlight, Replica};
 use crate::limits::Admitted;
 use crate::link::LinkBody;
 use crate::metrics::{PoolKind, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
+use crate::savings::BaselineGuess;
 use crate::upstream::{build_request, error_chain, response_headers, Upstream, UriError};
 use crate::usage::UsageScanner;
 
@@ -66,7 +67,12 @@ pub(crate) enum Accounting {
     /// Placed by the pool's policy: its prompt's uncached tokens count as prefill in flight
     /// until the first byte, and the cached tokens the replica reports are compared with the
     /// prediction.
-    Routed { pool: String, prompt_tokens: u32 },
+    Routed {
+        pool: String,
+        prompt_tokens: u32,
+        /// The baselines' guesses for the request, counted with its usage.
+        baselines: Vec<BaselineGuess>,
+    },
     /// Passed through by load: nothing predicted, nothing to compare.
     Passthrough,
 }
@@ -76,6 +82,13 @@ impl Accounting {
         match self {
             Accounting::Routed { pool, .. } => Some(pool),
             Accounting::Passthrough => None,
+        }
+    }
+
+    fn baselines(&self) -> &[BaselineGuess] {
+        match self {
+            Accounting::Routed { baselines, .. } => baselines,
+            Accounting::Passthrough => &[],
         }
     }
 
@@ -282,6 +295,7 @@ fn respond(
             pool: req.accounting.pool().map(str::to_owned),
             prompt_tokens: req.accounting.prompt_tokens(),
             predicted_cached: t.predicted_cached,
+            baselines: req.accounting.baselines().to_vec(),
             start: req.start,
         },
     };
@@ -320,6 +334,7 @@ struct Observer {
     pool: Option<String>,
     prompt_tokens: u32,
     predicted_cached: u32,
+    baselines: Vec<BaselineGuess>,
     start: Instant,
 }
 
@@ -372,6 +387,7 @@ impl UpstreamBody {
                 self.obs.prompt_tokens,
                 self.obs.predicted_cached,
                 actual,
+                &self.obs.baselines,
             );
         }
         self.guard = None;

@@ -247,8 +247,7 @@ impl Proxy {
                 let mut tick = tokio::time::interval(Duration::from_secs(1));
                 loop {
                     tick.tick().await;
-                    let now = f.now();
-                    p.rules().policy.lock().expire(now);
+                    p.tick(f.now());
                 }
             }));
         }

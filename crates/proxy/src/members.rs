@@ -261,9 +261,16 @@ impl PoolMembers {
                 }
             }
             let rules = self.pool.rules();
-            let mut policy = rules.policy.lock();
-            for rank in 0..r.dp_size() {
-                policy.remove_worker(r.worker(rank));
+            {
+                let mut policy = rules.policy.lock();
+                for rank in 0..r.dp_size() {
+                    policy.remove_worker(r.worker(rank));
+                }
+            }
+            for s in rules.shadows.lock().iter_mut() {
+                for rank in 0..r.dp_size() {
+                    s.remove_worker(r.worker(rank));
+                }
             }
         }
     }

@@ -58,6 +58,12 @@ pub(crate) struct PoolKind {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct PoolPolicy {
+    pub pool: String,
+    pub policy: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct PoolLabel {
     pub pool: String,
 }
@@ -183,6 +189,11 @@ pub(crate) struct Metrics {
     pub saved_tokens: Family<PoolLabel, Counter>,
     /// The prefill GPU-seconds those tokens would have cost (`crate::savings`).
     pub saved_gpu_seconds: Family<PoolLabel, Counter<f64, AtomicU64>>,
+    /// Prompt tokens of the requests whose response reported cached tokens.
+    pub usage_prompt_tokens: Family<PoolLabel, Counter>,
+    /// Over the same requests: what each baseline would have found cached, and saved.
+    pub baseline_tokens: Family<PoolPolicy, Counter>,
+    pub baseline_gpu_seconds: Family<PoolPolicy, Counter<f64, AtomicU64>>,
     /// `kind` = connect | unavailable.
     pub retries: Family<PoolKind, Counter>,
     pub router_errors: Family<KindLabel, Counter>,
@@ -210,6 +221,9 @@ impl Metrics {
             prompt_tokens: Family::default(),
             saved_tokens: Family::default(),
             saved_gpu_seconds: Family::default(),
+            usage_prompt_tokens: Family::default(),
+            baseline_tokens: Family::default(),
+            baseline_gpu_seconds: Family::default(),
             retries: Family::default(),
             router_errors: Family::default(),
             upstream_failures: ReplicaFamily::new(Family::default()),
@@ -221,9 +235,18 @@ impl Metrics {
         }
     }
 
-    /// A routed response that reported its cached tokens: the prediction it was routed on
-    /// against what the replica says it served from cache, and what that hit `saved`.
-    pub fn record_usage(&self, pool: &str, predicted: u32, actual: u64, saved: Saved) {
+    /// A routed response of `prompt` tokens that reported its cached tokens: the prediction
+    /// it was routed on against what the replica says it served from cache, what that hit
+    /// `saved`, and what each baseline would have saved on it.
+    pub fn record_usage(
+        &self,
+        pool: &str,
+        prompt: u32,
+        predicted: u32,
+        actual: u64,
+        saved: Saved,
+        baselines: &[(&'static str, Saved)],
+    ) {
         let pk = |kind| PoolKind {
             pool: pool.to_owned(),
             kind,
@@ -242,6 +265,39 @@ impl Metrics {
         self.saved_gpu_seconds
             .get_or_create(&pl)
             .inc_by(saved.gpu_seconds);
+        self.usage_prompt_tokens
+            .get_or_create(&pl)
+            .inc_by(u64::from(prompt));
+        for &(policy, b) in baselines {
+            let pp = PoolPolicy {
+                pool: pool.to_owned(),
+                policy,
+            };
+            self.baseline_tokens.get_or_create(&pp).inc_by(b.tokens);
+            self.baseline_gpu_seconds
+                .get_or_create(&pp)
+                .inc_by(b.gpu_seconds);
+        }
+    }
+
+    /// A pool's prompt tokens over the requests whose response reported cached tokens.
+    pub fn usage_prompt_tokens(&self, pool: &str) -> u64 {
+        let pl = PoolLabel {
+            pool: pool.to_owned(),
+        };
+        self.usage_prompt_tokens.get(&pl).map_or(0, |c| c.get())
+    }
+
+    /// What `policy` would have saved on the same requests as [`Metrics::saved`] (estimated).
+    pub fn baseline_saved(&self, pool: &str, policy: &'static str) -> Saved {
+        let pp = PoolPolicy {
+            pool: pool.to_owned(),
+            policy,
+        };
+        Saved {
+            tokens: self.baseline_tokens.get(&pp).map_or(0, |c| c.get()),
+            gpu_seconds: self.baseline_gpu_seconds.get(&pp).map_or(0.0, |c| c.get()),
+        }
     }
 
     /// A pool's routed requests whose response reported cached tokens, since start.
@@ -325,6 +381,25 @@ impl Metrics {
             "GPU-seconds of prefill those cached tokens would have cost, from the pool's timing \
              profile (savings_profile), counting every GPU of a replica",
             self.saved_gpu_seconds.clone(),
+        );
+        r.register(
+            "kinference_usage_prompt_tokens",
+            "Prompt tokens of the routed requests whose response reported cached tokens: the \
+             requests the saved and baseline series count",
+            self.usage_prompt_tokens.clone(),
+        );
+        r.register(
+            "kinference_baseline_cached_tokens",
+            "Estimated: prompt tokens a baseline policy (baselines) would have found cached on \
+             the same requests as kinference_saved_prefill_tokens, had it routed all the \
+             traffic itself",
+            self.baseline_tokens.clone(),
+        );
+        r.register(
+            "kinference_baseline_saved_prefill_gpu_seconds",
+            "Estimated: the prefill GPU-seconds those baseline hits would have saved; saved vs \
+             a baseline = kinference_saved_prefill_gpu_seconds minus this",
+            self.baseline_gpu_seconds.clone(),
         );
         let usd: Gauge<f64, AtomicU64> = Gauge::default();
         usd.set(prices.usd_per_gpu_hour);

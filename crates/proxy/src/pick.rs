@@ -21,6 +21,7 @@ use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight};
 use crate::limits::Admitted;
 use crate::metrics::{PoolKind, RequestLabels, RouteReplica};
+use crate::savings::BaselineGuess;
 use crate::usage::UsageScanner;
 
 /// Picks endpoints for requests a gateway forwards itself. Cheap to clone.
@@ -170,6 +171,13 @@ impl Picked {
         match self {
             Picked::Routed(r) => &r.targets,
             Picked::ByLoad { targets, .. } => targets,
+        }
+    }
+
+    fn baselines(&self) -> &[BaselineGuess] {
+        match self {
+            Picked::Routed(r) => &r.baselines,
+            Picked::ByLoad { .. } => &[],
         }
     }
 
@@ -397,8 +405,13 @@ impl Pick {
                 .targets()
                 .get(*i)
                 .map_or(0, |t| t.predicted_cached);
-            self.fleet
-                .record_usage(self.picked.pool(), self.prompt_tokens, predicted, actual);
+            self.fleet.record_usage(
+                self.picked.pool(),
+                self.prompt_tokens,
+                predicted,
+                actual,
+                self.picked.baselines(),
+            );
         }
         self.claim = None;
         self.admitted = None;

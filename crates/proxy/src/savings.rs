@@ -26,6 +26,15 @@ pub struct SavingsModel {
     pub gpus: u32,
 }
 
+/// What a baseline policy would have found cached for one request, had it routed all the
+/// traffic (`baselines`; the estimate the savings are compared with).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BaselineGuess {
+    /// The baseline's name (`round-robin`, ...).
+    pub policy: &'static str,
+    pub cached_tokens: u32,
+}
+
 /// What one request (or a sum of them) saved.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Saved {

@@ -75,6 +75,7 @@ pub(crate) fn parse(text: &str) -> Scraped {
             "vllm:cache_config_info" => {
                 out.cache_config = Some(CacheConfigStatus {
                     block_size: sample.label("block_size").and_then(|v| v.parse().ok()),
+                    num_gpu_blocks: sample.label("num_gpu_blocks").and_then(|v| v.parse().ok()),
                     hash_algo: sample
                         .label("prefix_caching_hash_algo")
                         .map(std::borrow::Cow::into_owned),
@@ -451,6 +452,7 @@ vllm:time_to_first_token_seconds_bucket{engine="0",model_name="m",le="+Inf"} 2
         assert_eq!(s.engines[&1].kv_usage, 0.5);
         let c = s.cache_config.unwrap();
         assert_eq!(c.block_size, Some(32));
+        assert_eq!(c.num_gpu_blocks, Some(200));
         assert_eq!(c.hash_algo.as_deref(), Some("sha256_cbor"));
         assert_eq!(c.prefix_caching, Some(true));
         assert_eq!(s.prefix_cache_hits, Some(64.0));

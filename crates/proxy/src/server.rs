@@ -85,6 +85,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         accounting: Accounting::Routed {
             pool: pool.name.clone(),
             prompt_tokens,
+            baselines: std::mem::take(&mut routed.baselines),
         },
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),

@@ -340,6 +340,71 @@ async fn same_prefix_lands_on_the_replica_that_caches_it() {
     proxy.shutdown().await;
 }
 
+/// The savings against round-robin: round-robin, deciding the same requests without sending
+/// them, finds a prefix cached only on the replica it sent that prefix to before, so over one
+/// document asked four times it hits on its third and fourth requests (the ones back on a
+/// replica it already sent the document to), where the precise policy, keeping the document
+/// on one replica, hits on the last three.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn savings_are_compared_with_what_round_robin_would_have_cached() {
+    let sims = [sim(SimOpts::default()).await, sim(SimOpts::default()).await];
+    let replicas = sims
+        .iter()
+        .map(|s| ReplicaSpec::new(&url(s.addr)))
+        .collect();
+    let mut p = pool(replicas, precise(60_000));
+    p.baselines = vec!["round-robin".into(), "least-load".into()];
+    let proxy = router(config(vec![p])).await;
+    wait_up(&proxy).await;
+    let mut cached = Vec::new();
+    for q in ["First?", "Second?", "Third?", "Fourth?"] {
+        let r = post(
+            proxy.data_addr(),
+            "/v1/completions",
+            &completion(&prompt(7, q), 2),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        cached.push(r.cached_tokens());
+    }
+    assert_eq!(cached[0], 0);
+    assert!(cached[1..].iter().all(|&c| c > 0), "{cached:?}");
+
+    let (status, body) = get(proxy.admin_addr(), "/debug/savings").await;
+    assert_eq!(status, 200, "{body}");
+    let s: kinference_proxy::api::SavingsResponse = serde_json::from_str(&body).unwrap();
+    let pool = &s.pools[0];
+    assert_eq!(pool.figures.requests_observed, 4);
+    assert_eq!(
+        pool.figures.saved_prefill_tokens,
+        cached.iter().sum::<u64>()
+    );
+    let rr = &pool.baselines[0];
+    assert_eq!(rr.policy, "round-robin");
+    // The questions differ from their first token: every hit is the document's full blocks.
+    assert_eq!(rr.cached_tokens, cached[2] + cached[3], "{s:#?}");
+    assert!(rr.saved_vs_gpu_seconds > 0.0, "{s:#?}");
+    assert!(
+        (rr.gpu_seconds + rr.saved_vs_gpu_seconds - pool.figures.saved_gpu_seconds).abs() < 1e-9
+    );
+    assert_eq!(pool.baselines[1].policy, "least-load");
+    assert_eq!(s.baselines.len(), 2);
+    assert_eq!(s.baselines[0].cached_tokens, rr.cached_tokens);
+
+    let (_, text) = get(proxy.admin_addr(), "/metrics").await;
+    assert_eq!(
+        metric(
+            &text,
+            "kinference_baseline_cached_tokens_total{pool=\"tiny\",policy=\"round-robin\"}"
+        ),
+        rr.cached_tokens as f64
+    );
+    assert_eq!(
+        metric(&text, "kinference_usage_prompt_tokens_total{pool=\"tiny\"}"),
+        pool.figures.prompt_tokens as f64
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_prefix_spreads_over_replicas() {
     let mut sims = Vec::new();

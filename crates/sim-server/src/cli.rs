@@ -19,8 +19,10 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use kinference_sim::{EngineConfig, Profile};
+use kinference_tokenize::Tokenizer;
 use kinference_vllm::HashAlgo;
 use serde_json::Value;
 use thiserror::Error;
@@ -405,10 +407,25 @@ fn check_ports(plans: &[ReplicaPlan], first_rank: u16) -> Result<(), CliError> {
 }
 
 /// Starts every planned replica; on a failure the ones already started are stopped.
+/// Replicas with the same tokenizer directory share one loaded tokenizer.
 pub async fn start(plans: Vec<ReplicaPlan>) -> Result<Vec<Server>, CliError> {
     let mut servers: Vec<Server> = Vec::with_capacity(plans.len());
+    let mut tokenizers: HashMap<PathBuf, Arc<Tokenizer>> = HashMap::new();
     for p in plans {
         let started = async {
+            let tokenizer = match tokenizers.get(&p.config.tokenizer_dir) {
+                Some(t) => Arc::clone(t),
+                None => {
+                    let t = Tokenizer::from_dir(&p.config.tokenizer_dir)
+                        .map(Arc::new)
+                        .map_err(|e| CliError::Server {
+                            index: p.index,
+                            source: e.into(),
+                        })?;
+                    tokenizers.insert(p.config.tokenizer_dir.clone(), Arc::clone(&t));
+                    t
+                }
+            };
             let listener =
                 TcpListener::bind((p.host.as_str(), p.port))
                     .await
@@ -418,7 +435,7 @@ pub async fn start(plans: Vec<ReplicaPlan>) -> Result<Vec<Server>, CliError> {
                         port: p.port,
                         source,
                     })?;
-            Server::start(p.config, listener)
+            Server::start_with_tokenizer(p.config, listener, tokenizer)
                 .await
                 .map_err(|source| CliError::Server {
                     index: p.index,

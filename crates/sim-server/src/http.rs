@@ -64,7 +64,8 @@ pub struct RankState {
 pub struct AppState {
     pub model: String,
     pub loras: Vec<LoraAdapter>,
-    pub tokenizer: Tokenizer,
+    /// Shared by every replica of the process that uses the same tokenizer directory.
+    pub tokenizer: Arc<Tokenizer>,
     pub max_model_len: usize,
     pub cache: CacheInfo,
     /// At least one.

@@ -125,7 +125,19 @@ pub struct Server {
 impl Server {
     /// Starts the engines, their publishers (if configured) and the HTTP server on `listener`.
     pub async fn start(cfg: ServerConfig, listener: TcpListener) -> Result<Server, ServerError> {
-        let tokenizer = Tokenizer::from_dir(&cfg.tokenizer_dir)?;
+        let tokenizer = Arc::new(Tokenizer::from_dir(&cfg.tokenizer_dir)?);
+        Server::start_with_tokenizer(cfg, listener, tokenizer).await
+    }
+
+    /// [`Server::start`] with a tokenizer already loaded from `cfg.tokenizer_dir`, shared with
+    /// other replicas of the process: a tokenizer is read-only apart from its prefix cache,
+    /// whose results equal a full encode whoever filled it, so one per process serves every
+    /// replica (instead of a vocabulary and a cache per replica).
+    pub async fn start_with_tokenizer(
+        cfg: ServerConfig,
+        listener: TcpListener,
+        tokenizer: Arc<Tokenizer>,
+    ) -> Result<Server, ServerError> {
         if cfg.data_parallel_size == 0 {
             return Err(ServerError::Config(
                 "data_parallel_size must be at least 1".into(),
@@ -233,7 +245,11 @@ impl Server {
                     tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
                 }
             });
-            if let Err(e) = axum::serve(listener, app).await {
+            // Routes made into services once here: handed a `Router` itself, `axum::serve`
+            // rebuilds its route table for every accepted connection (`with_state(())`), a
+            // cost a replica pays per connection the router opens to it.
+            let app: axum::Router = app.with_state(());
+            if let Err(e) = axum::serve(listener, app.into_make_service()).await {
                 tracing::error!(error = %e, "http server stopped");
             }
         }));

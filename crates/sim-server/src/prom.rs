@@ -29,58 +29,72 @@ pub fn render(model: &str, cache: &CacheInfo, engines: &[EngineSnapshot]) -> Str
         .iter()
         .map(|e| format!("engine=\"{}\",model_name=\"{model}\"", e.rank))
         .collect();
-    let series = |f: &dyn Fn(&EngineMetrics) -> f64| -> Vec<(String, f64)> {
-        engines
-            .iter()
-            .zip(&labels)
-            .map(|(e, l)| (l.clone(), f(&e.metrics)))
-            .collect()
-    };
-    let mut out = String::new();
-    gauge(
-        &mut out,
-        "vllm:num_requests_running",
-        "Number of requests in model execution batches.",
-        &series(&|m| m.num_running as f64),
-    );
-    gauge(
-        &mut out,
-        "vllm:num_requests_waiting",
-        "Number of requests waiting to be processed.",
-        &series(&|m| m.num_waiting as f64),
-    );
-    gauge(
-        &mut out,
-        "vllm:kv_cache_usage_perc",
-        "KV-cache usage. 1 means 100 percent usage.",
-        &series(&|m| m.kv_cache_usage),
-    );
-    let info: Vec<(String, f64)> = engines
+    // Sized for the whole page up front: grown by doubling from empty instead, every scrape
+    // reallocated and copied it a dozen times, touching fresh memory each time.
+    let mut out = String::with_capacity(PAGE_BYTES_PER_ENGINE * engines.len().max(1));
+    type Get = fn(&EngineMetrics) -> f64;
+    let gauges: [(&str, &str, Get); 3] = [
+        (
+            "vllm:num_requests_running",
+            "Number of requests in model execution batches.",
+            |m| m.num_running as f64,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            |m| m.num_waiting as f64,
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            |m| m.kv_cache_usage,
+        ),
+    ];
+    for (name, help, get) in gauges {
+        gauge(
+            &mut out,
+            name,
+            help,
+            engines
+                .iter()
+                .zip(&labels)
+                .map(|(e, l)| (l.as_str(), get(&e.metrics))),
+        );
+    }
+    let info: Vec<String> = engines
         .iter()
         .map(|e| {
-            let l = format!(
+            format!(
                 "block_size=\"{}\",enable_prefix_caching=\"{}\",engine=\"{}\",num_gpu_blocks=\"{}\",prefix_caching_hash_algo=\"{}\"",
                 cache.block_size,
                 if cache.enable_prefix_caching { "True" } else { "False" },
                 e.rank,
                 cache.num_gpu_blocks,
                 escape(&cache.prefix_caching_hash_algo),
-            );
-            (l, 1.0)
+            )
         })
         .collect();
     gauge(
         &mut out,
         "vllm:cache_config_info",
         "Information of the LLMEngine CacheConfig",
-        &info,
+        info.iter().map(|l| (l.as_str(), 1.0)),
     );
     counters(&mut out, &labels, engines);
     histograms(&mut out, &labels, engines);
     out
 }
 
-fn gauge(out: &mut String, name: &str, help: &str, series: &[(String, f64)]) {
+/// Bytes of one engine's series on the page, rounded up (the test below keeps it an upper
+/// bound for an engine with every counter in the millions).
+const PAGE_BYTES_PER_ENGINE: usize = 24 * 1024;
+
+fn gauge<'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    series: impl Iterator<Item = (&'a str, f64)>,
+) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
     for (labels, v) in series {
         let _ = writeln!(out, "{name}{{{labels}}} {v:?}");
@@ -199,5 +213,64 @@ fn histograms(out: &mut String, labels: &[String], engines: &[EngineSnapshot]) {
         for (e, l) in engines.iter().zip(labels) {
             histogram(out, name, l, get(&e.metrics));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kinference_sim::{Engine, EngineConfig};
+
+    /// An engine's series with every counter and histogram at its widest (20-digit counts,
+    /// long float sums), and two engines with long labels.
+    #[test]
+    fn a_page_fits_the_capacity_it_is_given() {
+        let engine = Engine::new(EngineConfig::small(64, 16)).unwrap_or_else(|e| panic!("{e}"));
+        let mut m = engine.metrics();
+        m.kv_cache_usage = 0.123_456_789_012_345_67;
+        for c in [
+            &mut m.prefix_cache_queries,
+            &mut m.prefix_cache_hits,
+            &mut m.num_preemptions,
+            &mut m.prompt_tokens,
+            &mut m.generation_tokens,
+            &mut m.requests_finished_length,
+            &mut m.requests_finished_stop,
+            &mut m.requests_aborted,
+        ] {
+            *c = u64::MAX;
+        }
+        for h in [
+            &mut m.ttft,
+            &mut m.itl,
+            &mut m.e2e,
+            &mut m.queue_time,
+            &mut m.prefill_time,
+            &mut m.decode_time,
+        ] {
+            h.counts.iter_mut().for_each(|c| *c = u64::MAX / 64);
+            h.count = u64::MAX;
+            h.sum = 123_456_789.123_456_78;
+        }
+        let cache = CacheInfo {
+            block_size: 16,
+            num_gpu_blocks: 1 << 20,
+            enable_prefix_caching: true,
+            prefix_caching_hash_algo: "sha256_cbor".into(),
+        };
+        let engines: Vec<EngineSnapshot> = (0..2)
+            .map(|rank| EngineSnapshot {
+                rank: 1_000_000 + rank,
+                metrics: m.clone(),
+            })
+            .collect();
+        let page = render("meta-llama/Llama-3.1-8B-Instruct", &cache, &engines);
+        assert!(
+            page.len() <= PAGE_BYTES_PER_ENGINE * engines.len(),
+            "{} bytes for {} engines",
+            page.len(),
+            engines.len()
+        );
+        assert!(page.contains("vllm:num_requests_running{engine=\"1000000\""));
     }
 }

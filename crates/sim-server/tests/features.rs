@@ -733,6 +733,15 @@ async fn command_line_starts_replicas_and_describes_them() {
         let metrics = get_text(s, "/metrics").await;
         assert!(metrics.contains("num_gpu_blocks=\"80\""), "{metrics}");
     }
+    // The replicas share one tokenizer (and its prefix cache): each gives the ids of the
+    // other, and the second one's lookup of a text the first one cached is the same.
+    let prompt =
+        json!({"model": "tiny", "prompt": "One tokenizer for every replica of a process."});
+    let (s0, t0) = post(&servers[0], "/tokenize", &prompt).await;
+    let (s1, t1) = post(&servers[1], "/tokenize", &prompt).await;
+    assert_eq!((s0, s1), (200, 200), "{t0} {t1}");
+    assert!(t0["count"].as_u64().is_some_and(|n| n > 5), "{t0}");
+    assert_eq!(t0["tokens"], t1["tokens"]);
     assert_ne!(servers[0].addr, servers[1].addr);
     for s in servers {
         s.shutdown();

@@ -8,17 +8,18 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use kinference_k8s::crd::{Hashing, PolicyWeights, PoolRef, RoutingPolicy, TokenizerSource};
-use kinference_k8s::KinferencePoolSpec;
+use kinference_k8s::{KinferencePool, KinferencePoolSpec};
 use kinference_proxy::api::{Health, ReplicasResponse};
 use kinference_proxy::{Config, InferencePoolRef, PoolConfig, Proxy, ReplicaSpec};
 use kinference_sim_server::Server;
 use kinference_testkit::{sim, tokenizer_dir, WAIT};
-use kube::Client;
+use kube::api::PostParams;
+use kube::{Api, Client};
 use serde_json::{json, Value};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::{app, create_pod, eventually, set_pod_status};
+use super::{app, create_pod, create_pool_with, eventually, set_pod_status};
 
 pub const MODEL: &str = "tiny";
 pub const BLOCK: u32 = 32;
@@ -62,6 +63,44 @@ impl Replicas {
         }
         format!("http://{ip}:{}", self.port)
     }
+}
+
+/// A routed InferencePool on the apiserver: `llama` in its namespace (pods labelled
+/// `app: vllm`), the KinferencePool `llama-routing` with its spec, one Ready pod per
+/// `(name, ip)` and a simulated replica behind each.
+pub struct RoutedPool {
+    pub reps: Replicas,
+    pub api: Api<KinferencePool>,
+    /// The replicas' URLs, sorted.
+    pub urls: Vec<String>,
+}
+
+/// Creates a [`RoutedPool`]; `app_protocol` is the InferencePool's target port protocol
+/// (`kubernetes.io/h2c`), if any.
+pub async fn routed_pool(
+    client: &Client,
+    ns: &str,
+    spec: KinferencePoolSpec,
+    pods: &[(&str, &str)],
+    app_protocol: Option<&str>,
+) -> RoutedPool {
+    let first = pods.first().map_or("127.0.0.1", |p| p.1);
+    let mut reps = Replicas::new(first).await;
+    create_pool_with(client, ns, "llama", "vllm", &[reps.port], app_protocol).await;
+    let api = Api::<KinferencePool>::namespaced(client.clone(), ns);
+    api.create(
+        &PostParams::default(),
+        &KinferencePool::new("llama-routing", spec),
+    )
+    .await
+    .unwrap();
+    let mut urls = Vec::new();
+    for (pod, ip) in pods {
+        urls.push(reps.at(ip).await);
+        ready_pod(client, ns, pod, ip).await;
+    }
+    urls.sort();
+    RoutedPool { reps, api, urls }
 }
 
 /// A pod of the pool, Ready at `ip`.

@@ -27,6 +27,15 @@ pub struct EventFaults {
     pub seed: u64,
 }
 
+/// A fault percentage outside 0..=100 (or not a number).
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+#[error("events-{name}-pct must be within 0..=100, not {value}")]
+pub struct FaultRangeError {
+    /// `drop`, `dup` or `reorder`.
+    pub name: &'static str,
+    pub value: f64,
+}
+
 impl EventFaults {
     /// Whether any fault can happen.
     pub fn any(&self) -> bool {
@@ -34,14 +43,14 @@ impl EventFaults {
     }
 
     /// Checks that every percentage is within 0..=100; the error names the bad one.
-    pub fn validate(&self) -> Result<(), String> {
-        for (name, v) in [
+    pub fn validate(&self) -> Result<(), FaultRangeError> {
+        for (name, value) in [
             ("drop", self.drop_pct),
             ("dup", self.dup_pct),
             ("reorder", self.reorder_pct),
         ] {
-            if !(0.0..=100.0).contains(&v) {
-                return Err(format!("events-{name}-pct must be within 0..=100, not {v}"));
+            if !(0.0..=100.0).contains(&value) {
+                return Err(FaultRangeError { name, value });
             }
         }
         Ok(())
@@ -197,7 +206,7 @@ mod tests {
             dup_pct: 101.0,
             ..EventFaults::default()
         };
-        assert!(bad.validate().unwrap_err().contains("dup"));
+        assert_eq!(bad.validate().unwrap_err().name, "dup");
         assert!(EventFaults {
             drop_pct: f64::NAN,
             ..EventFaults::default()
