@@ -7,7 +7,11 @@
 //! prefixes plus a ~100-character suffix no request repeats, as the router-latency benchmark
 //! sends them, with the cache on and off, and the cache's miss path (a text it has no prefix of).
 //!
-//! Run: `cargo bench -p kinference-tokenize --bench prefix_cache`
+//! And full tokenization of a ~2 kB and a ~4 kB text, reference pipeline against the fast path
+//! (`bench_encode`).
+//!
+//! Run: `cargo bench -p kinference-tokenize --bench prefix_cache` (one group: append
+//! `-- encode_`).
 
 // Test code: a failed unwrap is a failed test with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -232,5 +236,78 @@ fn bench_plain(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench_plain, bench);
+/// Full tokenization of one text, no cache: a ~2 kB ShareGPT message and a ~4,000-character
+/// prompt (as `plain_prefixes`), through `tokenizers` directly (`encode` with offsets and
+/// `encode_fast`), the crate's reference path (`encode_reference`: `encode_fast` plus the id
+/// copy) and the crate's default path (`encode_uncached`: the byte-level BPE fast path where the
+/// tokenizer has one).
+fn bench_encode(c: &mut Criterion) {
+    let texts = sharegpt_texts();
+    let chat = texts
+        .iter()
+        .find(|t| (1900..=2100).contains(&t.len()) && !t.contains("<|"))
+        .unwrap()
+        .clone();
+    let prose = plain_prefixes(&texts).swap_remove(0);
+    for name in ["llama3.1", "qwen3", "deepseek-v3"] {
+        let dir = shared_dir().join("data/tokenizers").join(name);
+        let hf = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
+        let tok = Tokenizer::from_dir_with(
+            &dir,
+            TokenizerOptions {
+                cache_capacity_bytes: 0,
+                ..TokenizerOptions::default()
+            },
+        )
+        .unwrap();
+        println!("{name}: fast path {:?}", tok.fast_path());
+        let mut g = c.benchmark_group(format!("encode_{name}"));
+        for (label, text) in [("sharegpt_2k", &chat), ("prose_4k", &prose)] {
+            assert_eq!(
+                tok.encode_uncached(text, false).unwrap(),
+                tok.encode_reference(text, false).unwrap()
+            );
+            g.bench_function(format!("{label}/hf_encode_offsets"), |b| {
+                b.iter(|| hf.encode(text.as_str(), false).unwrap())
+            });
+            g.bench_function(format!("{label}/hf_encode_fast"), |b| {
+                b.iter(|| hf.encode_fast(text.as_str(), false).unwrap())
+            });
+            g.bench_function(format!("{label}/reference"), |b| {
+                b.iter(|| tok.encode_reference(text, false).unwrap())
+            });
+            g.bench_function(format!("{label}/default"), |b| {
+                b.iter(|| tok.encode_uncached(text, false).unwrap())
+            });
+            // Both paths keep per-thread word caches, warm above; a new thread starts them
+            // cold (only the encode inside it is timed).
+            let cold = |b: &mut criterion::Bencher, f: &(dyn Fn() -> Vec<u32> + Sync)| {
+                b.iter_custom(|iters| {
+                    (0..iters)
+                        .map(|_| {
+                            std::thread::scope(|s| {
+                                s.spawn(|| {
+                                    let t = std::time::Instant::now();
+                                    std::hint::black_box(f());
+                                    t.elapsed()
+                                })
+                                .join()
+                                .unwrap()
+                            })
+                        })
+                        .sum()
+                })
+            };
+            g.bench_function(format!("{label}/reference_cold_thread"), |b| {
+                cold(b, &|| tok.encode_reference(text, false).unwrap())
+            });
+            g.bench_function(format!("{label}/default_cold_thread"), |b| {
+                cold(b, &|| tok.encode_uncached(text, false).unwrap())
+            });
+        }
+        g.finish();
+    }
+}
+
+criterion_group!(benches, bench_encode, bench_plain, bench);
 criterion_main!(benches);

@@ -1,6 +1,13 @@
 //! `tokenizer.json` through HF's `tokenizers` library, as transformers' fast tokenizers use it
 //! (no truncation, no padding), plus what the prefix cache needs to know about it.
 //!
+//! Byte-level BPE files the `fast_bpe` module fully implements (gpt2, llama3/3.1, qwen2/3,
+//! deepseek-v3, tiny-llama) encode through it instead, ids and split points alike; it is
+//! tested equal to the `tokenizers` pipeline (`encode_reference`,
+//! `encode_with_splits_reference`), which every other file keeps (mistral's). Where it cannot
+//! place split points exactly (a piece that NFC changes), `encode_with_splits` uses the
+//! reference for that text.
+//!
 //! Split-point invariant (why the cache is exact): `tokenizers` first cuts the input at added
 //! tokens matched on the raw text, then normalizes, pre-tokenizes and runs the model on each
 //! piece on its own; with `add_special_tokens = false` the post-processor changes no ids. So if
@@ -61,6 +68,7 @@ use serde_json::Value as Json;
 use tokenizers::Tokenizer as HfTokenizer;
 
 use crate::error::{Result, TokenizeError};
+use crate::fast_bpe::FastBpe;
 
 /// A place where tokenization may restart: `ids[..token]` are exactly the ids of
 /// `text[..byte]`, and the rest are those of `text[byte..]` on its own.
@@ -76,21 +84,28 @@ pub(crate) struct SplitPoint {
 /// re-encodes about this much shared text plus the word the texts part in, and an entry of a
 /// 4 kB prompt holds some 250 of them (12 bytes each). 64 cost the router-latency workload's
 /// completions prompts ~40 more bytes of encoding per request (criterion `llama3_plain`).
-const WORD_SPLIT_SPACING: usize = 16;
+pub(crate) const WORD_SPLIT_SPACING: usize = 16;
+
+/// llama3 / llama3.1 (cl100k-style): letters only after the optional non-letter first char.
+pub(crate) const LLAMA3_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// qwen2 / qwen3: the same with single digits.
+pub(crate) const QWEN_REGEX: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+/// deepseek-v3, stage 1: digit runs; never a letter or a space.
+pub(crate) const DEEPSEEK_DIGITS_REGEX: &str = r"\p{N}{1,3}";
+/// deepseek-v3, stage 2: CJK runs; never a letter or a space.
+pub(crate) const DEEPSEEK_CJK_REGEX: &str =
+    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+";
+/// deepseek-v3, stage 3: after a letter only ASCII letters or letters/marks follow.
+pub(crate) const DEEPSEEK_WORD_REGEX: &str = "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+";
 
 /// `Split` regexes checked against the argument in the module docs, exactly as they appear in
 /// `tokenizer.json` (after JSON unescaping).
 const WORD_SAFE_REGEXES: [&str; 5] = [
-    // llama3 / llama3.1 (cl100k-style): letters only after the optional non-letter first char.
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    // qwen2 / qwen3: the same with single digits.
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
-    // deepseek-v3, stage 1: digit runs; never a letter or a space.
-    r"\p{N}{1,3}",
-    // deepseek-v3, stage 2: CJK runs; never a letter or a space.
-    "[\u{4e00}-\u{9fa5}\u{3040}-\u{309f}\u{30a0}-\u{30ff}]+",
-    // deepseek-v3, stage 3: after a letter only ASCII letters or letters/marks follow.
-    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+    LLAMA3_REGEX,
+    QWEN_REGEX,
+    DEEPSEEK_DIGITS_REGEX,
+    DEEPSEEK_CJK_REGEX,
+    DEEPSEEK_WORD_REGEX,
 ];
 
 /// `tokenizer.json`, loaded.
@@ -108,6 +123,8 @@ pub(crate) struct Encoder {
     /// Ids the post-processor puts before and after the text when special tokens are added.
     /// `None`: not a plain prefix/suffix, so the cache is not used with special tokens.
     special_affixes: Option<(Vec<u32>, Vec<u32>)>,
+    /// The exact fast path (see `fast_bpe`), or why this tokenizer keeps the reference.
+    fast: std::result::Result<FastBpe, String>,
 }
 
 #[derive(Deserialize)]
@@ -222,6 +239,7 @@ impl Encoder {
         let added = AddedFacts::of(&tk, identity);
         let split_safe = probe.split_safe(&added);
         let word_splits = probe.word_splits(&added);
+        let fast = FastBpe::new(&tk, probe.normalizer.as_ref(), probe.pre_tokenizer.as_ref());
         let mut enc = Encoder {
             tk,
             split_after: added.split_after,
@@ -229,13 +247,32 @@ impl Encoder {
             split_safe,
             word_splits,
             special_affixes: None,
+            fast,
         };
         enc.special_affixes = enc.probe_special_affixes();
         Ok(enc)
     }
 
+    /// Whether the fast path is used, or why not.
+    pub fn fast_path(&self) -> std::result::Result<(), &str> {
+        self.fast.as_ref().map(|_| ()).map_err(String::as_str)
+    }
+
     /// Token ids of `text`, as `tokenizer.encode(text, add_special_tokens=...)` gives them.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        if let Ok(fast) = &self.fast {
+            if !add_special_tokens {
+                return Ok(fast.encode(text));
+            }
+            if let Some(ids) = self.add_special_affixes(fast.encode(text)) {
+                return Ok(ids);
+            }
+        }
+        self.encode_reference(text, add_special_tokens)
+    }
+
+    /// [`Encoder::encode`] through `tokenizers` alone.
+    pub fn encode_reference(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self
             .tk
             .encode_fast(text, add_special_tokens)
@@ -245,6 +282,16 @@ impl Encoder {
 
     /// Ids of `text` without special tokens, and the split points in it.
     pub fn encode_with_splits(&self, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>)> {
+        if let Ok(fast) = &self.fast {
+            if let Some(out) = fast.encode_with_splits(text, &self.split_after, self.word_splits) {
+                return Ok(out);
+            }
+        }
+        self.encode_with_splits_reference(text)
+    }
+
+    /// [`Encoder::encode_with_splits`] through `tokenizers` alone (offsets give the splits).
+    pub fn encode_with_splits_reference(&self, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>)> {
         let enc = self
             .tk
             .encode(text, false)
@@ -311,8 +358,8 @@ impl Encoder {
     fn probe_special_affixes(&self) -> Option<(Vec<u32>, Vec<u32>)> {
         let mut found: Option<(Vec<u32>, Vec<u32>)> = None;
         for probe in ["a", "Hello world", "x y z 123"] {
-            let with = self.encode(probe, true).ok()?;
-            let core = self.encode(probe, false).ok()?;
+            let with = self.encode_reference(probe, true).ok()?;
+            let core = self.encode_reference(probe, false).ok()?;
             let at = (0..=with.len().checked_sub(core.len())?)
                 .find(|&i| with[i..i + core.len()] == core[..])?;
             let affixes = (with[..at].to_vec(), with[at + core.len()..].to_vec());
@@ -322,6 +369,26 @@ impl Encoder {
             found = Some(affixes);
         }
         found
+    }
+}
+
+#[cfg(test)]
+impl Encoder {
+    /// The fast path, for tests of its parts.
+    pub(crate) fn fast_bpe(&self) -> Option<&FastBpe> {
+        self.fast.as_ref().ok()
+    }
+
+    /// Every added token's text.
+    pub(crate) fn added_contents(&self) -> Vec<String> {
+        let mut out: Vec<String> = self
+            .tk
+            .get_added_tokens_decoder()
+            .into_values()
+            .map(|t| t.content)
+            .collect();
+        out.sort();
+        out
     }
 }
 

@@ -21,6 +21,7 @@ pub mod content_format;
 pub mod conversation;
 mod encoder;
 pub mod error;
+mod fast_bpe;
 pub mod json;
 pub mod pyfmt;
 pub mod request;
@@ -163,6 +164,18 @@ impl Tokenizer {
     /// tokenizer (see [`cache`]).
     pub fn word_splits_supported(&self) -> bool {
         self.encoder.word_splits
+    }
+
+    /// Whether encoding takes the exact byte-level BPE fast path (see `fast_bpe`), or why this
+    /// tokenizer keeps the `tokenizers` pipeline.
+    pub fn fast_path(&self) -> std::result::Result<(), &str> {
+        self.encoder.fast_path()
+    }
+
+    /// `tokenizer.encode` through the `tokenizers` pipeline alone, bypassing the prefix cache and
+    /// the fast path: the reference both are tested against.
+    pub fn encode_reference(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        self.encoder.encode_reference(text, add_special_tokens)
     }
 
     /// Prefix-cache counters.
