@@ -28,8 +28,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::encoder::{Encoder, SplitPoint};
+use crate::encoder::Encoder;
 use crate::error::Result;
+use crate::pretok::SplitPoint;
 
 /// Texts shorter than this are encoded directly (cheap, and not worth an entry).
 const MIN_LEVEL: usize = 256;

@@ -14,7 +14,7 @@
 //! - Normalizer: none, an empty sequence, or NFC through the crate `tokenizers` uses for it
 //!   (`unicode-normalization-alignments`), so the Unicode tables are the same.
 //! - Pre-tokenizer: `ByteLevel` with its GPT-2 regex, or the llama3 / qwen2 / deepseek-v3
-//!   `Split` regexes (see `encoder::*_REGEX`) then `ByteLevel` without regex; no prefix space.
+//!   `Split` regexes (see `pretok`) then `ByteLevel` without regex; no prefix space.
 //!   Each regex is a hand-written matcher that tries the alternatives in order with onig's
 //!   backtracking outcome (worked out per alternative below), and `Isolated` keeps the gaps.
 //!   Character classes (`\p{L}`, `\p{N}`, `\p{M}`, `\p{P}`, `\p{S}`, `\s`, and the case folds
@@ -59,7 +59,7 @@ use tokenizers::models::ModelWrapper;
 use tokenizers::Tokenizer as HfTokenizer;
 use unicode_normalization_alignments::{is_nfc_quick, IsNormalized, UnicodeNormalization};
 
-use crate::encoder::{
+use crate::pretok::{
     SplitPoint, DEEPSEEK_CJK_REGEX, DEEPSEEK_DIGITS_REGEX, DEEPSEEK_WORD_REGEX, LLAMA3_REGEX,
     QWEN_REGEX, WORD_SPLIT_SPACING,
 };

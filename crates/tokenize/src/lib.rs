@@ -23,6 +23,7 @@ mod encoder;
 pub mod error;
 mod fast_bpe;
 pub mod json;
+mod pretok;
 pub mod pyfmt;
 pub mod request;
 pub mod template;
