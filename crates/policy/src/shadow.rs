@@ -71,11 +71,6 @@ impl Shadow {
         self.policy.name()
     }
 
-    /// The cache model's bound per worker, in blocks: a replica's KV capacity.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// Sets the bound per worker; blocks beyond it go at once, least recently routed first.
     pub fn set_capacity(&mut self, capacity: usize) {
         self.capacity = capacity.max(1);

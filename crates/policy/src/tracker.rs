@@ -48,11 +48,6 @@ impl PrefixTracker {
         self.ttl
     }
 
-    /// The most (block, worker) pairs kept.
-    pub fn capacity(&self) -> usize {
-        self.capacity
-    }
-
     /// Changes the bound; pairs beyond it go at once, the earliest deadline first.
     pub fn set_capacity(&mut self, capacity: usize) {
         self.capacity = capacity.max(1);

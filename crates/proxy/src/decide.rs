@@ -416,11 +416,10 @@ async fn room(pool: &Pool, subset: Option<&[String]>) -> Result<(), Shed> {
         .await
 }
 
-/// Ranks the pool's workers for a prepared request. With `apply`, the decision's effects on
-/// the policy (speculative entries) are recorded under the same lock hold.
-/// The policy's decision and, on the data plane (`apply`), its effects recorded and the
-/// baselines' guesses for the same request (after the policy's lock is released: the
-/// baselines never hold up a decision of another request).
+/// Ranks the pool's workers for a prepared request. With `apply` (the data plane), the
+/// decision's effects on the policy (speculative entries) are recorded under the same lock
+/// hold, and the baselines guess for the same request after that lock is released, so they
+/// never hold up another request's decision.
 fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied, Vec<BaselineGuess>) {
     let candidates = candidates(&p.pool, p.rules.uses_index, &p.hashes, p.subset.as_deref());
     let ctx = RequestCtx {
