@@ -289,6 +289,7 @@ rbac_with_token() {
     refuse "list secrets in models" "${as[@]}" -n models get secrets
     refuse "delete a pod" "${as[@]}" -n models delete pod vllm-0 --wait=false
     refuse "label a pod" "${as[@]}" -n models label pod vllm-0 x=y
+    refuse "annotate a pod (scaleIn.podDeletionCost is off)" "${as[@]}" -n models annotate pod vllm-0 controller.kubernetes.io/pod-deletion-cost=1
     refuse "list pods in kube-system" "${as[@]}" -n kube-system get pods
 }
 
@@ -322,6 +323,20 @@ second_release() {
     local sa=system:serviceaccount:kinference-b:kinference-router
     equal "b can list pods in models" yes "$(kubectl auth can-i --as=$sa list pods -n models 2>/dev/null || true)"
     equal "b cannot list pods in its own namespace" no "$(kubectl auth can-i --as=$sa list pods -n kinference-b 2>/dev/null || true)"
+    # Cache-aware scale-in: patch on pods (their pod-deletion-cost annotation), nothing more.
+    check "upgrade b with scaleIn.podDeletionCost" helm upgrade b "$CHART" -n kinference-b --no-hooks \
+        -f "$CHART/ci/xxhash-monitoring-values.yaml" --set serviceMonitor.enabled=false \
+        --set scaleIn.podDeletionCost=true --set scaleIn.halfLifeSeconds=900
+    equal "b can patch pods in models" yes "$(kubectl auth can-i --as=$sa patch pods -n models 2>/dev/null || true)"
+    local v
+    for v in create update delete; do
+        equal "b cannot $v pods in models" no "$(kubectl auth can-i --as=$sa "$v" pods -n models 2>/dev/null || true)"
+    done
+    equal "b cannot patch pods/status" no "$(kubectl auth can-i --as=$sa patch pods --subresource=status -n models 2>/dev/null || true)"
+    case $(jp -n kinference-b deployment b-kinference -o jsonpath='{.spec.template.spec.containers[0].args}') in
+        *'"--scale-in={\"half_life_s\":900,\"hysteresis\":0.25,\"interval_s\":30,\"max_patches\":20,\"pod_deletion_cost\":true}"'*) ok "--scale-in argument" ;;
+        *) bad "--scale-in argument missing: $(jp -n kinference-b deployment b-kinference -o jsonpath='{.spec.template.spec.containers[0].args}')" ;;
+    esac
 }
 
 epp_release() {

@@ -254,6 +254,7 @@ fn render_pool(out: &mut String, pool: &PoolStatus) {
         "GAPS",
         "REPLAYS",
         "ENTRIES",
+        "SCALE-IN",
     ]
     .map(String::from)
     .to_vec()];
@@ -329,6 +330,8 @@ fn worker_row(r: &ReplicaStatus, w: &WorkerStatus) -> Vec<String> {
         gaps,
         replays,
         w.index_entries.to_string(),
+        // The replica's, on each of its ranks: what losing it would cost (cached tokens).
+        format!("{:.0}", r.scale_in_cost),
     ]
 }
 

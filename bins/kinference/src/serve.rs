@@ -11,7 +11,9 @@ use std::path::PathBuf;
 
 use anyhow::Context as _;
 
-use kinference_proxy::{parse_policy, Config, InferencePoolRef, PoolConfig, Proxy, ReplicaSpec};
+use kinference_proxy::{
+    parse_policy, Config, InferencePoolRef, PoolConfig, Proxy, ReplicaSpec, ScaleIn,
+};
 
 /// Where a pod's service account says which namespace it runs in.
 const POD_NAMESPACE_FILE: &str = "/var/run/secrets/kubernetes.io/serviceaccount/namespace";
@@ -61,6 +63,11 @@ pub struct ServeArgs {
     /// comparison) [default: round-robin].
     #[arg(long, env = "KINFERENCE_BASELINES", value_delimiter = ',')]
     baselines: Option<Vec<String>>,
+    /// One-pool fleet: cache-aware scale-in, the YAML of the `scale_in` setting
+    /// ('{pod_deletion_cost: true}' keeps the pods' controller.kubernetes.io/pod-deletion-cost
+    /// current; needs --inference-pool and patch on pods).
+    #[arg(long, env = "KINFERENCE_SCALE_IN")]
+    scale_in: Option<String>,
     // The help is an attribute, not a doc comment: its `[...]` are option syntax, not links.
     #[arg(
         long = "replica",
@@ -184,6 +191,7 @@ impl ServeArgs {
             || self.tokenizer_cache_bytes.is_some()
             || self.savings_profile.is_some()
             || self.baselines.is_some()
+            || self.scale_in.is_some()
             || !self.replicas.is_empty()
             || self.inference_pool.is_some()
     }
@@ -244,6 +252,13 @@ impl ServeArgs {
                 None
             }
         };
+        let scale_in = match self.scale_in.as_deref().map(ScaleIn::from_flag).transpose() {
+            Ok(s) => s,
+            Err(e) => {
+                problems.push(e.to_string());
+                None
+            }
+        };
         if !problems.is_empty() {
             anyhow::bail!("{}", problems.join("\n"));
         }
@@ -271,6 +286,9 @@ impl ServeArgs {
         if let Some(b) = &self.baselines {
             pool.baselines = b.iter().filter(|b| *b != "none").cloned().collect();
         }
+        if let Some(s) = scale_in {
+            pool.scale_in = s;
+        }
         pool.replicas = replicas;
         pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {
             namespace: None,
@@ -285,8 +303,9 @@ impl ServeArgs {
                 if self.has_pool_flags() {
                     anyhow::bail!(
                         "--model, --tokenizer, --block-size, --hash-algo, --hash-seed, --policy, \
-                         --session-header, --replica and --inference-pool describe a file-less \
-                         fleet; with --config put pools in the file"
+                         --session-header, --baselines, --scale-in, --replica and \
+                         --inference-pool describe a file-less fleet; with --config put pools \
+                         in the file"
                     );
                 }
                 let text = std::fs::read_to_string(path)
@@ -624,6 +643,34 @@ mod tests {
         // Still refused once known that nothing fills them in.
         let err = cfg.check().unwrap_err().to_string();
         assert!(err.contains("block_size"), "{err}");
+    }
+
+    #[test]
+    fn scale_in_comes_from_its_flag_and_is_checked() {
+        let flags = |scale_in: &str| {
+            Cli::try_parse_from([
+                "serve",
+                "--model",
+                "M",
+                "--inference-pool",
+                "llama",
+                "--scale-in",
+                scale_in,
+            ])
+            .unwrap()
+            .serve
+            .config()
+        };
+        let cfg = flags("{pod_deletion_cost: true, half_life_s: 120}").unwrap();
+        let s = &cfg.pools[0].scale_in;
+        assert!(s.pod_deletion_cost);
+        assert_eq!((s.half_life_s, s.interval_s), (120.0, 30.0));
+        let err = flags("{half_life_s: 0}").unwrap_err().to_string();
+        assert!(err.contains("--scale-in.half_life_s"), "{err}");
+        let err = flags("{pod_deletion_cost: yes please}")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--scale-in"), "{err}");
     }
 
     #[test]

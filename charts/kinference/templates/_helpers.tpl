@@ -91,6 +91,10 @@ pool, then the picker's own flags in epp mode. */}}
 {{- with .Values.pool.policy }}
 - {{ print "--policy=" . | quote }}
 {{- end }}
+{{- if .Values.scaleIn.podDeletionCost }}
+{{- $s := .Values.scaleIn }}
+- {{ print "--scale-in=" (dict "pod_deletion_cost" true "half_life_s" $s.halfLifeSeconds "interval_s" $s.intervalSeconds "hysteresis" $s.hysteresis "max_patches" $s.maxPatches | toJson) | quote }}
+{{- end }}
 {{- end }}
 {{- if include "kinference.epp" . }}
 - {{ print "--request-body-mode=" .Values.epp.requestBodyMode | quote }}

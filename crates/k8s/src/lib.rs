@@ -12,6 +12,8 @@
 //!   spec to the running pool, and writing the `KinferencePool` status.
 //! - [`settings`]: a `KinferencePool`'s policy, tokenizer and hashing applied to its pool, at
 //!   the router's start and live (they win over the router's own settings).
+//! - [`deletion_cost`]: cache-aware scale-in, the pods' `pod-deletion-cost` annotations kept
+//!   at what losing each would cost (off unless the pool's `scale_in` asks for it).
 //! - [`status::StatusWriter`]: the router's report, by server-side apply with one field manager
 //!   (why one, and not a Lease: see that module).
 //!
@@ -34,6 +36,7 @@
 //! cannot be read is a [`PoolState::Error`] with a [`PoolError`] that names the fix.
 
 pub mod crd;
+pub mod deletion_cost;
 pub mod error;
 pub mod gie;
 pub mod router;

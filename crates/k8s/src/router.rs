@@ -54,11 +54,16 @@ pub fn spawn_pool(client: Client, members: PoolMembers, namespace: &str) -> Join
 /// Follows one pool until the watcher's channel closes.
 pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
     let writer = StatusWriter::new(client.clone(), &cfg.namespace);
-    let watcher = PoolWatcher::start(client, cfg);
+    let watcher = PoolWatcher::start(client.clone(), cfg.clone());
     let mut rx = watcher.subscribe();
     let (spec_tx, spec_rx) = watch::channel(SpecState::default());
     // Its own task: a slow or unreachable API server must not hold back membership changes.
     let status = tokio::spawn(write_status(writer, members.clone(), rx.clone(), spec_rx));
+    let costs = tokio::spawn(crate::deletion_cost::run(
+        client.clone(),
+        members.clone(),
+        cfg.namespace.clone(),
+    ));
     let mut held: BTreeMap<String, Endpoint> = BTreeMap::new();
     let mut reported: Option<String> = None;
     loop {
@@ -71,6 +76,7 @@ pub async fn run_pool(client: Client, members: PoolMembers, cfg: WatchConfig) {
         }
     }
     status.abort();
+    costs.abort();
 }
 
 /// Makes the members match the snapshot's endpoints.
@@ -467,6 +473,7 @@ mod tests {
             prefix_cache_hits: Some(30.0),
             prefix_cache_queries: Some(100.0),
             scrapes: Default::default(),
+            scale_in_cost: 0.0,
             workers: Vec::new(),
         }
     }

@@ -21,6 +21,7 @@
 
 mod config;
 mod policy;
+mod scale_in;
 mod score;
 mod shadow;
 mod tracker;
@@ -28,6 +29,7 @@ mod types;
 
 pub use config::{ApproximateConfig, ConfigError, ConfigErrors, PolicyConfig, PreciseConfig};
 pub use policy::{Applied, Policy};
+pub use scale_in::{unique_span, UniqueHits, UniqueSpan};
 pub use shadow::{Guess, Shadow, ShadowError};
 pub use tracker::{Inserted, PrefixTracker};
 pub use types::{Candidate, Decision, Load, Reason, RequestCtx, Score};

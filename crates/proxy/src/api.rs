@@ -206,6 +206,11 @@ pub struct ReplicaStatus {
     /// This router's scrapes of the replica's `/metrics` since it joined.
     #[serde(default)]
     pub scrapes: ScrapeCounts,
+    /// What losing the replica would cost: prompt tokens of recent requests it served from a
+    /// cached prefix no other replica held, decayed with the pool's `scale_in.half_life_s`.
+    /// The lowest is the one to remove when scaling in.
+    #[serde(default)]
+    pub scale_in_cost: f64,
     pub workers: Vec<WorkerStatus>,
 }
 

@@ -331,6 +331,94 @@ pub struct PoolConfig {
     /// round-robin, estimated"). An empty list turns the comparison off.
     #[serde(default = "default_baselines")]
     pub baselines: Vec<String>,
+    /// Cache-aware scale-in: what losing each replica would cost, and whether to tell
+    /// Kubernetes (see [`ScaleIn`]).
+    #[serde(default)]
+    pub scale_in: ScaleIn,
+}
+
+/// Cache-aware scale-in. Every routed request adds, to the replica it goes to, the prompt
+/// tokens it finds cached there and in no other replica (in any tier); the sum decays with
+/// `half_life_s`. That is the replica's scale-in cost, in `/debug/replicas`: the prefill its
+/// cache saved on recent traffic that no other replica could have served. With
+/// `pod_deletion_cost` (an `inferencePool` pool only; the router needs `patch` on pods), the
+/// router keeps each pod's `controller.kubernetes.io/pod-deletion-cost` annotation at its
+/// cost, so that a Deployment or LeaderWorkerSet scaling down deletes the pod whose cache is
+/// worth least first.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScaleIn {
+    /// Write the pods' `controller.kubernetes.io/pod-deletion-cost`. Off by default.
+    pub pod_deletion_cost: bool,
+    /// Seconds after which a request's contribution to the cost has halved.
+    pub half_life_s: f64,
+    /// Seconds between two looks at the costs; a pod's annotation is written at most once per
+    /// look, and not at all while its cost stays within `hysteresis` of the value written.
+    pub interval_s: f64,
+    /// Relative change (of the larger of the written and the new cost) below which a pod's
+    /// annotation is left as it is, so that the API server is not written for noise.
+    pub hysteresis: f64,
+    /// At most this many pods are written per look (the largest changes first).
+    pub max_patches: usize,
+}
+
+impl Default for ScaleIn {
+    fn default() -> Self {
+        ScaleIn {
+            pod_deletion_cost: false,
+            half_life_s: 600.0,
+            interval_s: 30.0,
+            hysteresis: 0.25,
+            max_patches: 20,
+        }
+    }
+}
+
+impl ScaleIn {
+    /// The setting from a flag: the YAML of `scale_in:` (`{pod_deletion_cost: true}`),
+    /// checked as a configuration file's is.
+    pub fn from_flag(text: &str) -> Result<ScaleIn, ConfigErrors> {
+        let s: ScaleIn = serde_yaml_ng::from_str(text).map_err(|e| {
+            ConfigErrors(vec![ConfigError {
+                path: "--scale-in".into(),
+                message: format!("{text:?}: expected a YAML mapping of scale_in ({e})"),
+            }])
+        })?;
+        let mut errs = Errors(Vec::new());
+        s.check("--scale-in", &mut errs);
+        if errs.0.is_empty() {
+            Ok(s)
+        } else {
+            Err(ConfigErrors(errs.0))
+        }
+    }
+
+    pub fn half_life(&self) -> Duration {
+        Duration::try_from_secs_f64(self.half_life_s).unwrap_or_default()
+    }
+
+    pub fn interval(&self) -> Duration {
+        Duration::try_from_secs_f64(self.interval_s).unwrap_or_default()
+    }
+
+    fn check(&self, path: &str, errs: &mut Errors) {
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !positive(self.half_life_s) {
+            errs.push(format!("{path}.half_life_s"), "must be a number above 0");
+        }
+        if !positive(self.interval_s) {
+            errs.push(format!("{path}.interval_s"), "must be a number above 0");
+        }
+        if !(self.hysteresis.is_finite() && (0.0..1.0).contains(&self.hysteresis)) {
+            errs.push(
+                format!("{path}.hysteresis"),
+                "must be at least 0 and below 1",
+            );
+        }
+        if self.max_patches == 0 {
+            errs.push(format!("{path}.max_patches"), "must be at least 1");
+        }
+    }
 }
 
 fn default_savings_profile() -> String {
@@ -384,6 +472,7 @@ impl PoolConfig {
             inference_pool: None,
             savings_profile: default_savings_profile(),
             baselines: default_baselines(),
+            scale_in: ScaleIn::default(),
         }
     }
 
@@ -1099,6 +1188,13 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
             );
         }
     }
+    pool.scale_in.check(&format!("{path}.scale_in"), errs);
+    if pool.scale_in.pod_deletion_cost && pool.inference_pool.is_none() {
+        errs.push(
+            format!("{path}.scale_in.pod_deletion_cost"),
+            "needs an inferencePool: only discovered pods can be annotated",
+        );
+    }
     let savings = SavingsModel::builtin(&pool.savings_profile)
         .map_err(|e| errs.push(format!("{path}.savings_profile"), e.to_string()))
         .ok();
@@ -1216,6 +1312,44 @@ mod inference_pool_tests {
         assert_eq!(errs[0].path, "pools[0].inferencePool", "{errs:?}");
         let neither = Config::parse(&pool("")).unwrap().validate();
         assert!(neither[0].message.contains("inferencePool"), "{neither:?}");
+    }
+
+    #[test]
+    fn scale_in_writes_pods_only_of_a_discovered_pool_and_checks_its_numbers() {
+        let cfg = Config::parse(&pool(
+            "    inferencePool: {name: llama}\n    scale_in: {pod_deletion_cost: true, half_life_s: 60}\n",
+        ))
+        .unwrap();
+        cfg.check().unwrap();
+        let s = &cfg.pools[0].scale_in;
+        assert!(s.pod_deletion_cost);
+        assert_eq!(s.half_life(), Duration::from_secs(60));
+        assert_eq!(s.interval(), Duration::from_secs(30));
+
+        let listed = pool(
+            "    replicas: [http://127.0.0.1:8000]\n    scale_in: {pod_deletion_cost: true}\n",
+        );
+        let errs = Config::parse(&listed).unwrap().validate();
+        assert_eq!(
+            errs[0].path, "pools[0].scale_in.pod_deletion_cost",
+            "{errs:?}"
+        );
+        let bad = pool(
+            "    replicas: [http://127.0.0.1:8000]\n    \
+             scale_in: {half_life_s: 0, interval_s: -1, hysteresis: 1, max_patches: 0}\n",
+        );
+        let paths: Vec<String> = Config::parse(&bad)
+            .unwrap()
+            .validate()
+            .into_iter()
+            .map(|e| e.path)
+            .collect();
+        for f in ["half_life_s", "interval_s", "hysteresis", "max_patches"] {
+            assert!(
+                paths.contains(&format!("pools[0].scale_in.{f}")),
+                "{f}: {paths:?}"
+            );
+        }
     }
 
     #[test]

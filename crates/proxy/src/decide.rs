@@ -17,6 +17,7 @@
 //! configured none of this costs more than a comparison.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use http::HeaderMap;
 #[cfg(doc)]
@@ -442,6 +443,9 @@ fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied, Vec<B
     };
     let mut baselines = Vec::new();
     if apply {
+        count_unique_hit(p, &decision, &candidates, now);
+    }
+    if apply {
         let mut shadows = p.rules.shadows.lock();
         baselines.reserve(shadows.len());
         for s in shadows.iter_mut() {
@@ -456,6 +460,28 @@ fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied, Vec<B
         }
     }
     (decision, applied, baselines)
+}
+
+/// Records, for the chosen replica's scale-in cost, the part of the request's prefix it holds
+/// cached and no other replica does.
+fn count_unique_hit(p: &Prepared, decision: &Decision, candidates: &[Candidate], now: Duration) {
+    let Some(chosen) = decision.chosen() else {
+        return;
+    };
+    let Some(span) = kinference_policy::unique_span(candidates, chosen.replica) else {
+        return;
+    };
+    let (Some(&first), Some(r)) = (
+        p.hashes.get(span.start as usize),
+        p.pool.replica(chosen.replica),
+    ) else {
+        return;
+    };
+    let tokens = span
+        .blocks()
+        .saturating_mul(p.rules.block_size)
+        .min(p.prompt_tokens);
+    r.add_unique_hit(first, tokens, now);
 }
 
 /// The `/debug/explain` answer for a prepared request.

@@ -32,9 +32,9 @@ use std::time::Duration;
 use http::HeaderName;
 use kinference_events::{EventPlane, EventPlaneConfig, ReplicaConfig, WorkerConfig};
 use kinference_index::{Index, ReplicaId, WorkerId};
-use kinference_policy::{Load, Policy, Shadow};
+use kinference_policy::{Load, Policy, Shadow, UniqueHits};
 use kinference_tokenize::{Tokenizer, TokenizerOptions};
-use kinference_vllm::{BlockHasher, DpRank, Lora};
+use kinference_vllm::{BlockHash, BlockHasher, DpRank, Lora};
 use parking_lot::{Mutex, RwLock};
 use tokio::sync::{watch, Notify};
 
@@ -488,6 +488,9 @@ pub(crate) struct Replica {
     health: AtomicU8,
     scorable: AtomicBool,
     pub info: Mutex<ReplicaInfo>,
+    /// Recent prefixes this replica served from cache that no other replica held
+    /// (`scale_in`), on the fleet's clock ([`Fleet::now`]).
+    scale_in: Mutex<UniqueHits>,
 }
 
 impl Replica {
@@ -517,6 +520,7 @@ impl Replica {
             health: AtomicU8::new(UNKNOWN),
             scorable: AtomicBool::new(true),
             info: Mutex::new(ReplicaInfo::default()),
+            scale_in: Mutex::new(UniqueHits::new(SCALE_IN_PREFIXES)),
         }
     }
 
@@ -565,6 +569,29 @@ impl Replica {
         }
     }
 
+    /// Records a request served `tokens` from cache that no other replica held, from the
+    /// block `first` on (`now` on the fleet's clock).
+    pub fn add_unique_hit(&self, first: BlockHash, tokens: u32, now: Duration) {
+        self.scale_in.lock().record(first, tokens, now);
+    }
+
+    /// What losing this replica would cost (see `scale_in` in the pool's configuration): the
+    /// tokens of its recently hit prefixes that `index` still shows on its GPU and on no
+    /// other replica, each halved for every `half_life` since its last hit.
+    pub fn scale_in_cost(&self, index: &Index, now: Duration, half_life: Duration) -> f64 {
+        self.scale_in.lock().cost(now, half_life, |first| {
+            let holders = index.longest_prefix(&[first]);
+            let mut own = false;
+            for (w, tiers) in holders.iter() {
+                if w.replica != self.id {
+                    return false;
+                }
+                own |= tiers.gpu > 0;
+            }
+            own
+        })
+    }
+
     pub fn is_scorable(&self) -> bool {
         self.scorable.load(Ordering::Relaxed)
     }
@@ -577,6 +604,10 @@ impl Replica {
         self.scorable.swap(ok, Ordering::Relaxed) != ok
     }
 }
+
+/// Prefixes remembered per replica for its scale-in cost: reading the cost looks each up in
+/// the index, and a replica rarely has more distinct prefixes hit recently that no other holds.
+const SCALE_IN_PREFIXES: usize = 4096;
 
 /// One DP rank's load: scraped gauges plus the router's own counts.
 #[derive(Debug, Default)]

@@ -108,7 +108,7 @@ pub use api::{ReadyResponse, ReplicasResponse, ScrapeCounts};
 pub use config::{
     parse_policy, AdminAuth, AdminToken, Config, ConfigError, ConfigErrors, EventSourceError,
     EventsSpec, InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec,
-    UpstreamProtocol, UrlError,
+    ScaleIn, UpstreamProtocol, UrlError,
 };
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers, ReconfigureError};

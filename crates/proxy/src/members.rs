@@ -160,7 +160,33 @@ impl PoolMembers {
 
     /// The pool's state now, as `/debug/replicas` shows it.
     pub fn status(&self) -> crate::api::PoolStatus {
-        crate::snapshot::pool(&self.pool, tokio::time::Instant::now())
+        crate::snapshot::pool(&self.pool, tokio::time::Instant::now(), self.fleet.now())
+    }
+
+    /// Each member's scale-in cost now (the sum over its replicas; see `scale_in` in the
+    /// pool's configuration), by key.
+    pub fn scale_in_costs(&self) -> Vec<(String, f64)> {
+        let now = self.fleet.now();
+        let half_life = self.pool.rules().config.scale_in.half_life();
+        // The members' lock is not held while the index is read.
+        let members: Vec<(String, Vec<Arc<Replica>>)> = self
+            .pool
+            .members
+            .lock()
+            .iter()
+            .map(|(key, m)| (key.clone(), m.replicas.clone()))
+            .collect();
+        let index = self.pool.index.read();
+        members
+            .into_iter()
+            .map(|(key, replicas)| {
+                let cost = replicas
+                    .iter()
+                    .map(|r| r.scale_in_cost(&index, now, half_life))
+                    .sum();
+                (key, cost)
+            })
+            .collect()
     }
 
     /// The keys of the members now.

@@ -5,6 +5,8 @@
 //! briefly, one at a time, and never holds a lock across another or changes routing state.
 
 use kinference_events::{EventPlane, SyncState, WorkerHealth};
+use std::time::Duration;
+
 use tokio::time::Instant;
 
 use crate::api::{
@@ -18,11 +20,17 @@ use crate::scrape::roots_match;
 pub(crate) fn take(fleet: &Fleet) -> ReplicasResponse {
     let now = Instant::now();
     ReplicasResponse {
-        pools: fleet.pools.iter().map(|p| pool(p, now)).collect(),
+        pools: fleet
+            .pools
+            .iter()
+            .map(|p| pool(p, now, fleet.now()))
+            .collect(),
     }
 }
 
-pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
+/// `since_start` is the fleet's clock ([`crate::fleet::Fleet::now`]), which the replicas'
+/// scale-in costs are kept on.
+pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration) -> PoolStatus {
     let (index_entries, index_blocks) = pool.index_size();
     let plane = pool.plane();
     let (routed_prompt_tokens, predicted_cached_tokens) = pool.routed_tokens();
@@ -39,7 +47,7 @@ pub(crate) fn pool(pool: &Pool, now: Instant) -> PoolStatus {
         replicas: pool
             .replicas()
             .iter()
-            .map(|r| replica(pool, plane.as_deref(), r, now))
+            .map(|r| replica(pool, plane.as_deref(), r, now, since_start))
             .collect(),
         routed_prompt_tokens,
         predicted_cached_tokens,
@@ -79,7 +87,14 @@ fn event_endpoints(plane: &EventPlane) -> Vec<EventEndpointStatus> {
         .collect()
 }
 
-fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -> ReplicaStatus {
+fn replica(
+    pool: &Pool,
+    plane: Option<&EventPlane>,
+    r: &Replica,
+    now: Instant,
+    since_start: Duration,
+) -> ReplicaStatus {
+    let half_life = pool.rules().config.scale_in.half_life();
     let workers = (0..r.dp_size())
         .map(|rank| {
             let worker = r.worker(rank);
@@ -108,6 +123,7 @@ fn replica(pool: &Pool, plane: Option<&EventPlane>, r: &Replica, now: Instant) -
         prefix_cache_hits: info.prefix_cache_hits,
         prefix_cache_queries: info.prefix_cache_queries,
         scrapes: info.scrapes,
+        scale_in_cost: r.scale_in_cost(&pool.index.read(), since_start, half_life),
         workers,
     }
 }

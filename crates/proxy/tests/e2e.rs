@@ -405,6 +405,88 @@ async fn savings_are_compared_with_what_round_robin_would_have_cached() {
     );
 }
 
+/// A replica's scale-in cost is the prefix it served from cache that no other replica held;
+/// once another replica caches that prefix too, losing the first would cost nothing, and its
+/// cost says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scale_in_cost_counts_only_prefixes_no_other_replica_holds() {
+    let events = || SimOpts {
+        events: true,
+        ..SimOpts::default()
+    };
+    let sims = [sim(events()).await, sim(events()).await];
+    let replicas: Vec<ReplicaSpec> = sims.iter().map(replica_with_events).collect();
+    let proxy = router(config(vec![pool(replicas, precise(0))])).await;
+    wait_up(&proxy).await;
+    let cost = |s: &ReplicasResponse, url: &str| {
+        s.pools[0]
+            .replicas
+            .iter()
+            .find(|r| r.url == url)
+            .map(|r| r.scale_in_cost)
+            .unwrap()
+    };
+
+    let first = post(
+        proxy.data_addr(),
+        "/v1/completions",
+        &completion(&prompt(5, "First?"), 2),
+    )
+    .await;
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = format!("http://{}", first.endpoint.clone().unwrap());
+    let other = sims
+        .iter()
+        .map(|s| url(s.addr))
+        .find(|u| *u != holder)
+        .unwrap();
+    let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() as usize / 32;
+    proxy
+        .wait_for_events(&holder, 0, WAIT, |h| h.entries >= blocks && !h.stale)
+        .await
+        .unwrap_or_else(|e| panic!("events never reached the index: {e}"));
+    // A miss is no unique hit.
+    assert_eq!(cost(&proxy.status(), &holder), 0.0);
+
+    let second = post(
+        proxy.data_addr(),
+        "/v1/completions",
+        &completion(&prompt(5, "Second?"), 2),
+    )
+    .await;
+    assert_eq!(second.endpoint, first.endpoint);
+    let cached = second.cached_tokens() as f64;
+    assert!(cached > 0.0);
+    let s = proxy.status();
+    // The default half-life is ten minutes: the test's seconds hardly decay it.
+    let c = cost(&s, &holder);
+    assert!((c - cached).abs() <= 0.01 * cached, "{c} vs {cached}");
+    assert_eq!(cost(&s, &other), 0.0);
+    // The same document again: the prefix counts once, not once per hit.
+    post(
+        proxy.data_addr(),
+        "/v1/completions",
+        &completion(&prompt(5, "Third?"), 2),
+    )
+    .await;
+    let c = cost(&proxy.status(), &holder);
+    assert!((c - cached).abs() <= 0.01 * cached, "{c} vs {cached}");
+
+    // The other replica caches the document too (a client that bypasses the router).
+    let other_addr = sims.iter().find(|s| url(s.addr) == other).unwrap().addr;
+    let direct = post(
+        other_addr,
+        "/v1/completions",
+        &completion(&prompt(5, "Direct?"), 2),
+    )
+    .await;
+    assert_eq!(direct.status, 200, "{}", direct.body);
+    proxy
+        .wait_until(WAIT, |s| cost(s, &holder) == 0.0)
+        .await
+        .unwrap_or_else(|s| panic!("the shared prefix still counts: {s:#?}"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hot_prefix_spreads_over_replicas() {
     let mut sims = Vec::new();
