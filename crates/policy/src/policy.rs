@@ -85,6 +85,28 @@ impl Policy {
         }
     }
 
+    /// The worker [`Policy::select`] would rank first, for callers that need only that (a
+    /// baseline deciding every request beside the real policy): the load-only policies find
+    /// it in one pass over the candidates instead of ranking them all.
+    pub fn choose(
+        &self,
+        req: &RequestCtx<'_>,
+        candidates: &[Candidate],
+        now: Duration,
+    ) -> Option<WorkerId> {
+        let n = candidates.len();
+        match &self.config {
+            _ if n == 0 => None,
+            PolicyConfig::RoundRobin => candidates.get((req.ticket % n as u64) as usize),
+            PolicyConfig::LeastLoad => {
+                score::first_in_order(n, req.ticket, |a, b| by_load(candidates, a, b))
+                    .and_then(|i| candidates.get(i))
+            }
+            _ => return self.select(req, candidates, now).chosen(),
+        }
+        .map(|c| c.worker)
+    }
+
     /// Blocks of the request's prefix the router-side record places on `c` (0 without one).
     #[inline]
     fn speculative_prefix(&self, c: &Candidate, req: &RequestCtx<'_>, now: Duration) -> u32 {
@@ -119,9 +141,17 @@ impl Policy {
     /// hold the request's blocks from `now` (speculatively, or in the approximate record).
     /// The receipt takes them back ([`Policy::undo`]) if the worker never ran the request.
     pub fn apply(&mut self, decision: &Decision, hashes: &[BlockHash], now: Duration) -> Applied {
-        match (self.tracker.as_mut(), decision.chosen()) {
-            (Some(t), Some(w)) => Applied(Some(t.insert(w, hashes, now))),
-            _ => Applied(None),
+        match decision.chosen() {
+            Some(w) => self.apply_to(w, hashes, now),
+            None => Applied(None),
+        }
+    }
+
+    /// [`Policy::apply`] for a decision that chose `worker`.
+    pub fn apply_to(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Duration) -> Applied {
+        match self.tracker.as_mut() {
+            Some(t) => Applied(Some(t.insert(worker, hashes, now))),
+            None => Applied(None),
         }
     }
 
@@ -178,15 +208,16 @@ fn least_load(
     ticket: u64,
 ) -> Decision {
     let scores = score::load_scores(candidates);
-    let order = score::sorted_order(candidates.len(), ticket, |a, b| {
-        scores[a].load.total_cmp(&scores[b].load).then(
-            candidates[a]
-                .load
-                .in_flight_prefill_tokens
-                .cmp(&candidates[b].load.in_flight_prefill_tokens),
-        )
-    });
+    let order = score::sorted_order(candidates.len(), ticket, |a, b| by_load(candidates, a, b));
     score::decision_from(name, reason, scores, &order)
+}
+
+/// Least loaded first: outstanding requests, then uncached prompt tokens in flight.
+fn by_load(candidates: &[Candidate], a: usize, b: usize) -> std::cmp::Ordering {
+    let (a, b) = (&candidates[a].load, &candidates[b].load);
+    a.outstanding()
+        .total_cmp(&b.outstanding())
+        .then(a.in_flight_prefill_tokens.cmp(&b.in_flight_prefill_tokens))
 }
 
 /// In turn by ticket: the ticket picks the first candidate, the rest follow in order.

@@ -200,6 +200,25 @@ pub(crate) fn sorted_order(
     ticket: u64,
     mut cmp: impl FnMut(usize, usize) -> Ordering,
 ) -> Vec<usize> {
+    let rot = rotation(n, ticket);
+    let mut idx: Vec<usize> = (0..n).collect();
+    idx.sort_by(|&a, &b| cmp(a, b).then(rot(a).cmp(&rot(b))));
+    idx
+}
+
+/// The first index of [`sorted_order`] with the same arguments, in one pass and without
+/// allocating (for callers that need only the winner).
+pub(crate) fn first_in_order(
+    n: usize,
+    ticket: u64,
+    mut cmp: impl FnMut(usize, usize) -> Ordering,
+) -> Option<usize> {
+    let rot = rotation(n, ticket);
+    (0..n).min_by(|&a, &b| cmp(a, b).then(rot(a).cmp(&rot(b))))
+}
+
+/// Each index's place in the rotation of ties that `ticket` starts.
+fn rotation(n: usize, ticket: u64) -> impl Fn(usize) -> usize {
     // The ticket is mixed first: callers that step their counter by a fixed stride (two
     // tickets per request, say) would otherwise start every rotation on the same few workers.
     let start = if n == 0 {
@@ -207,10 +226,7 @@ pub(crate) fn sorted_order(
     } else {
         (splitmix(ticket) % n as u64) as usize
     };
-    let rot = |i: usize| (i + n - start) % n;
-    let mut idx: Vec<usize> = (0..n).collect();
-    idx.sort_by(|&a, &b| cmp(a, b).then(rot(a).cmp(&rot(b))));
-    idx
+    move |i: usize| (i + n - start) % n
 }
 
 /// Reorders `scores` (given in candidate order) by `order` into a decision.

@@ -88,11 +88,10 @@ impl Shadow {
         candidates: &[Candidate],
         now: Duration,
     ) -> Guess {
-        let decision = self.policy.select(req, candidates, now);
-        let _ = self.policy.apply(&decision, req.hashes, now);
-        let Some(worker) = decision.chosen() else {
+        let Some(worker) = self.policy.choose(req, candidates, now) else {
             return Guess::default();
         };
+        let _ = self.policy.apply_to(worker, req.hashes, now);
         let capacity = self.capacity;
         let cache = self
             .caches

@@ -130,6 +130,27 @@ fn decisions_are_complete_ordered_and_deterministic() {
             let p = Policy::new(cfg.clone());
             let d = p.select(&req, &cands, Duration::ZERO);
             assert_eq!(d, p.select(&req, &cands, Duration::ZERO), "seed {seed}");
+            // The winner alone, as a baseline asks for it: the same worker, ties included
+            // (an idle fleet is all ties, broken by the ticket's rotation).
+            assert_eq!(
+                p.choose(&req, &cands, Duration::ZERO),
+                d.chosen(),
+                "seed {seed} {}",
+                p.name()
+            );
+            let idle: Vec<Candidate> = cands
+                .iter()
+                .map(|c| Candidate {
+                    load: Load::default(),
+                    ..*c
+                })
+                .collect();
+            assert_eq!(
+                p.choose(&req, &idle, Duration::ZERO),
+                p.select(&req, &idle, Duration::ZERO).chosen(),
+                "seed {seed} {} idle",
+                p.name()
+            );
             assert_eq!(d.ranked.len(), cands.len(), "seed {seed} {}", p.name());
             let mut seen: Vec<_> = d.ranked.clone();
             seen.sort();

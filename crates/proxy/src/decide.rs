@@ -232,16 +232,19 @@ pub(crate) struct Routed {
 }
 
 /// Decides where a prepared request goes and records the decision's effects on the policy
-/// (speculative entries) under the same lock hold.
-pub(crate) fn route(fleet: &Fleet, prepared: Prepared) -> Routed {
+/// (speculative entries) under the same lock hold. Only the first `max_targets` of the ranked
+/// workers become targets (a data plane tries at most `max_attempts`; at a thousand replicas
+/// a target per candidate was a reference count taken and dropped a thousand times).
+pub(crate) fn route(fleet: &Fleet, prepared: Prepared, max_targets: usize) -> Routed {
     let (decision, applied, baselines) = select(fleet, &prepared, true);
-    let pool = &prepared.pool;
+    let all = prepared.pool.replicas();
     let targets = decision
         .ranked
         .iter()
         .zip(&decision.scores)
+        .take(max_targets)
         .filter_map(|(w, s)| {
-            let replica = pool.replica(w.replica)?;
+            let replica = crate::fleet::find_replica(&all, w.replica)?.clone();
             let pin_rank = replica.dp_size() > 1;
             Some(Target {
                 replica,

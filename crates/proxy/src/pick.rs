@@ -77,7 +77,8 @@ impl Picker {
         let mut prepared =
             decide::prepare_looked(fleet, api, looked, req.body, req.headers, false)?;
         prepared.subset = req.subset;
-        let mut routed = decide::route(fleet, prepared);
+        // A gateway may fall back down the whole list.
+        let mut routed = decide::route(fleet, prepared, usize::MAX);
         if routed.targets.is_empty() {
             decide::landed(fleet, &mut routed, None);
             let p = &routed.prepared;

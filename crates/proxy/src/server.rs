@@ -76,7 +76,11 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(p) => p,
         Err(e) => return reject(&fleet, label, e),
     };
-    let mut routed = decide::route(&fleet, prepared);
+    let mut routed = decide::route(
+        &fleet,
+        prepared,
+        fleet.settings.max_attempts.max(1) as usize,
+    );
     decide::record_decision(&fleet, &routed);
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
