@@ -20,6 +20,9 @@
 #                         max_tokens 8) and print a second
 #                         table: CPU per request of each process under load (default 0: none).
 #                         The simulator's cost should grow with requests, not with replicas.
+#                         After the passes, SCALE_SETTLE_SECS (default 6) of quiet, then the
+#                         idle CPU again over SCALE_IDLE_SECS (a third table): the router
+#                         now carries every replica's request series.
 #      SCALE_LOAD_PASSES  passes of SCALE_LOAD_REQUESTS, back to back, one row each (default 2).
 #                         Pass 1 starts from an idle fleet: at 1,000 replicas most of its
 #                         requests reach a replica the router holds no connection to (a TCP
@@ -141,7 +144,7 @@ PYEOF
 echo "| replicas | router CPU idle (% of a core) | simulator CPU idle | scrapes per replica per s | router RSS MiB (KiB per replica) | simulator RSS MiB | up / subscribed / replicas |"
 echo "|---|---|---|---|---|---|---|"
 missing=0
-LOAD_ROWS="" CHURN_ROWS=""
+LOAD_ROWS="" AFTER_ROWS="" CHURN_ROWS=""
 for n in $NS; do
   # The files of the previous N go first: a reader started right after a launch could read
   # them before the new process truncates them.
@@ -208,6 +211,14 @@ for n in $NS; do
       accepts=$(awk -v d=$(( a1 - a0 )) -v n="$ok" 'BEGIN {printf "%.2f", n ? d / n : 0}')
       LOAD_ROWS+="| $n | $pass | $ok / $SCALE_LOAD_REQUESTS | $rps | $accepts | $(per_req $(( r1 - r0 ))) | $(per_req $(( s1 - s0 ))) |"$'\n'
     done
+    # Idle again once the replicas are quiet (the adaptive scrape backs off after
+    # scrape.idle_interval_ms, 5 s): every replica now has its request series, which the
+    # router's /metrics page and dashboard sampler carry from then on.
+    sleep "${SCALE_SETTLE_SECS:-6}"
+    r0=$(ticks "$ROUTER_PID") s0=$(ticks "$SIM_PID")
+    sleep "$IDLE"
+    r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID")
+    AFTER_ROWS+="| $n | $(pct $(( r1 - r0 ))) | $(pct $(( s1 - s0 ))) | $(rss_mib "$ROUTER_PID") |"$'\n'
   fi
   if [ "${SCALE_CHURN:-0}" = 1 ]; then
     kill -9 "$CHURN_PID"; wait "$CHURN_PID" 2>/dev/null || true
@@ -227,6 +238,12 @@ if [ -n "$LOAD_ROWS" ]; then
   echo "| replicas | pass | completions ok | requests/s | TCP accepts per request (host) | router CPU ms per request | simulator CPU ms per request |"
   echo "|---|---|---|---|---|---|---|"
   printf '%s' "$LOAD_ROWS"
+fi
+if [ -n "$AFTER_ROWS" ]; then
+  echo
+  echo "| replicas | router CPU idle after the load (% of a core) | simulator CPU idle after the load | router RSS MiB |"
+  echo "|---|---|---|---|"
+  printf '%s' "$AFTER_ROWS"
 fi
 if [ -n "$CHURN_ROWS" ]; then
   echo

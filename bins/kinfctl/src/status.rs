@@ -331,7 +331,8 @@ fn worker_row(r: &ReplicaStatus, w: &WorkerStatus) -> Vec<String> {
         replays,
         w.index_entries.to_string(),
         // The replica's, on each of its ranks: what losing it would cost (cached tokens).
-        format!("{:.0}", r.scale_in_cost),
+        r.scale_in_cost
+            .map_or_else(|| "-".to_owned(), |c| format!("{c:.0}")),
     ]
 }
 

@@ -473,7 +473,7 @@ mod tests {
             prefix_cache_hits: Some(30.0),
             prefix_cache_queries: Some(100.0),
             scrapes: Default::default(),
-            scale_in_cost: 0.0,
+            scale_in_cost: None,
             workers: Vec::new(),
         }
     }

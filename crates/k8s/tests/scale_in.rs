@@ -121,7 +121,7 @@ async fn annotations(
         let costs: BTreeMap<&'static str, f64> = proxy.status().pools[0]
             .replicas
             .iter()
-            .map(|r| (pod_of(&r.url), r.scale_in_cost))
+            .map(|r| (pod_of(&r.url), r.scale_in_cost.unwrap_or(f64::NAN)))
             .collect();
         let mut ann = BTreeMap::new();
         for (pod, _) in PODS {

@@ -33,13 +33,15 @@ use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
 use crate::savings::Prices;
-use crate::snapshot;
+use crate::snapshot::{self, Costs};
 
 /// What the admin handlers share.
 #[derive(Debug)]
 pub(crate) struct AdminState {
     pub fleet: Arc<Fleet>,
     pub registry: Registry,
+    /// The families the dashboard samples ([`crate::metrics::Metrics::dashboard_registry`]).
+    pub totals: Registry,
     /// The bearer token every path but the probes needs (`None`: no authentication).
     pub token: Option<AdminToken>,
     /// `/metrics` without the token.
@@ -127,7 +129,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(s): State<Arc<AdminState>>) -> Response {
-    let r = snapshot::take(&s.fleet).readiness();
+    let r = snapshot::take(&s.fleet, Costs::Skip).readiness();
     let status = if r.ready {
         StatusCode::OK
     } else {
@@ -177,7 +179,7 @@ async fn replicas(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Respo
     if let Some(refused) = s.refuse(&headers) {
         return refused;
     }
-    json_response(StatusCode::OK, &snapshot::take(&s.fleet))
+    json_response(StatusCode::OK, &snapshot::take(&s.fleet, Costs::Compute))
 }
 
 async fn savings(State(s): State<Arc<AdminState>>, headers: HeaderMap) -> Response {
@@ -197,7 +199,7 @@ async fn dashboard_data(State(s): State<Arc<AdminState>>, headers: HeaderMap) ->
     };
     let body = DashboardResponse {
         savings: dashboard::savings(&s.fleet, s.prices),
-        fleet: snapshot::take(&s.fleet),
+        fleet: snapshot::take(&s.fleet, Costs::Skip),
         reasons,
         interval_secs: dashboard::INTERVAL.as_secs_f64(),
         history,
@@ -231,8 +233,8 @@ pub(crate) async fn sample(s: Arc<AdminState>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let totals = Totals::from_page(&crate::metrics::render(&s.registry));
-        let loads = dashboard::loads(&snapshot::take(&s.fleet));
+        let totals = Totals::from_page(&crate::metrics::render(&s.totals));
+        let loads = dashboard::fleet_loads(&s.fleet);
         let saved: f64 = s
             .fleet
             .pools

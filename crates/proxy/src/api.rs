@@ -208,9 +208,10 @@ pub struct ReplicaStatus {
     pub scrapes: ScrapeCounts,
     /// What losing the replica would cost: prompt tokens of recent requests it served from a
     /// cached prefix no other replica held, decayed with the pool's `scale_in.half_life_s`.
-    /// The lowest is the one to remove when scaling in.
-    #[serde(default)]
-    pub scale_in_cost: f64,
+    /// The lowest is the one to remove when scaling in. Given by `/debug/replicas` (not
+    /// computed for probes and metrics).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_in_cost: Option<f64>,
     pub workers: Vec<WorkerStatus>,
 }
 

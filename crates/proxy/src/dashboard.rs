@@ -13,8 +13,7 @@ use std::time::Duration;
 use kinference_vllm::metrics::text;
 
 use crate::api::{
-    BaselineSavings, HistoryPoint, PoolSavings, ReplicaLoad, ReplicasResponse, SavingsFigures,
-    SavingsResponse,
+    BaselineSavings, HistoryPoint, PoolSavings, ReplicaLoad, SavingsFigures, SavingsResponse,
 };
 use crate::fleet::Fleet;
 use crate::savings::Prices;
@@ -165,24 +164,23 @@ impl History {
     }
 }
 
-/// Each replica's load in a snapshot, summed over its ranks.
-pub(crate) fn loads(snapshot: &ReplicasResponse) -> Vec<ReplicaLoad> {
-    snapshot
-        .pools
-        .iter()
-        .flat_map(|p| &p.replicas)
-        .map(|r| ReplicaLoad {
-            replica: r.url.clone(),
-            running: r.workers.iter().map(|w| w.load.running).sum(),
-            waiting: r.workers.iter().map(|w| w.load.waiting).sum(),
-            in_flight: r.workers.iter().map(|w| w.load.in_flight).sum(),
-            kv_usage: r
-                .workers
-                .iter()
-                .map(|w| w.load.kv_usage)
-                .fold(0.0, f64::max),
-        })
-        .collect()
+/// Each replica's load now, summed over its ranks (read from the replicas themselves: the
+/// dashboard samples it every second, and a whole fleet snapshot reads the index too).
+pub(crate) fn fleet_loads(fleet: &Fleet) -> Vec<ReplicaLoad> {
+    let mut out = Vec::new();
+    for pool in &fleet.pools {
+        for r in pool.replicas().iter() {
+            let loads: Vec<_> = r.workers.iter().map(|w| w.load()).collect();
+            out.push(ReplicaLoad {
+                replica: r.url().to_owned(),
+                running: loads.iter().map(|l| l.running).sum(),
+                waiting: loads.iter().map(|l| l.waiting).sum(),
+                in_flight: loads.iter().map(|l| l.in_flight).sum(),
+                kv_usage: loads.iter().map(|l| l.kv_usage).fold(0.0, f64::max),
+            });
+        }
+    }
+    out
 }
 
 /// The savings since start, per pool and in total, valued at `prices`, and against each

@@ -219,7 +219,10 @@ impl Proxy {
         let fleet = Arc::new(fleet);
         let registry = {
             let fleet = fleet.clone();
-            metrics.registry(Arc::new(move || snapshot::take(&fleet)), config.savings)
+            metrics.registry(
+                Arc::new(move || snapshot::take(&fleet, snapshot::Costs::Skip)),
+                config.savings,
+            )
         };
         let mut background = Vec::new();
         for d in discoveries {
@@ -277,6 +280,7 @@ impl Proxy {
         let admin_state = Arc::new(AdminState {
             fleet: fleet.clone(),
             registry,
+            totals: metrics.dashboard_registry(),
             token: resolved_admin_token,
             open_metrics: config.admin_auth.open_metrics,
             prices: config.savings,
@@ -364,7 +368,7 @@ impl Proxy {
 
     /// What `/debug/replicas` answers now.
     pub fn status(&self) -> ReplicasResponse {
-        snapshot::take(&self.fleet)
+        snapshot::take(&self.fleet, snapshot::Costs::Compute)
     }
 
     /// What `/readyz` answers now.

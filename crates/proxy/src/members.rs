@@ -160,7 +160,12 @@ impl PoolMembers {
 
     /// The pool's state now, as `/debug/replicas` shows it.
     pub fn status(&self) -> crate::api::PoolStatus {
-        crate::snapshot::pool(&self.pool, tokio::time::Instant::now(), self.fleet.now())
+        crate::snapshot::pool(
+            &self.pool,
+            tokio::time::Instant::now(),
+            self.fleet.now(),
+            crate::snapshot::Costs::Compute,
+        )
     }
 
     /// Each member's scale-in cost now (the sum over its replicas; see `scale_in` in the

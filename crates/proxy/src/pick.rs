@@ -130,7 +130,9 @@ impl Picker {
 
     /// What the admin port's `/readyz` says (the same snapshot and rule).
     pub fn ready(&self) -> bool {
-        crate::snapshot::take(&self.fleet).readiness().ready
+        crate::snapshot::take(&self.fleet, crate::snapshot::Costs::Skip)
+            .readiness()
+            .ready
     }
 
     /// Counts a request the picker's caller answered with the router's own error without a

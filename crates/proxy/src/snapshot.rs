@@ -16,21 +16,30 @@ use crate::api::{
 use crate::fleet::{Fleet, Pool, Replica};
 use crate::scrape::roots_match;
 
+/// Whether a snapshot computes the replicas' scale-in costs: one index lookup per prefix each
+/// replica remembers, so only where they are shown (`/debug/replicas`, the embedding API),
+/// not for probes, `/metrics` or the dashboard's samples.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Costs {
+    Skip,
+    Compute,
+}
+
 /// The state of every pool and replica now.
-pub(crate) fn take(fleet: &Fleet) -> ReplicasResponse {
+pub(crate) fn take(fleet: &Fleet, costs: Costs) -> ReplicasResponse {
     let now = Instant::now();
     ReplicasResponse {
         pools: fleet
             .pools
             .iter()
-            .map(|p| pool(p, now, fleet.now()))
+            .map(|p| pool(p, now, fleet.now(), costs))
             .collect(),
     }
 }
 
 /// `since_start` is the fleet's clock ([`crate::fleet::Fleet::now`]), which the replicas'
 /// scale-in costs are kept on.
-pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration) -> PoolStatus {
+pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration, costs: Costs) -> PoolStatus {
     let (index_entries, index_blocks) = pool.index_size();
     let plane = pool.plane();
     let (routed_prompt_tokens, predicted_cached_tokens) = pool.routed_tokens();
@@ -47,7 +56,7 @@ pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration) -> PoolStat
         replicas: pool
             .replicas()
             .iter()
-            .map(|r| replica(pool, plane.as_deref(), r, now, since_start))
+            .map(|r| replica(pool, plane.as_deref(), r, now, since_start, costs))
             .collect(),
         routed_prompt_tokens,
         predicted_cached_tokens,
@@ -93,6 +102,7 @@ fn replica(
     r: &Replica,
     now: Instant,
     since_start: Duration,
+    costs: Costs,
 ) -> ReplicaStatus {
     let half_life = pool.rules().config.scale_in.half_life();
     let workers = (0..r.dp_size())
@@ -123,7 +133,8 @@ fn replica(
         prefix_cache_hits: info.prefix_cache_hits,
         prefix_cache_queries: info.prefix_cache_queries,
         scrapes: info.scrapes,
-        scale_in_cost: r.scale_in_cost(&pool.index.read(), since_start, half_life),
+        scale_in_cost: (costs == Costs::Compute)
+            .then(|| r.scale_in_cost(&pool.index.read(), since_start, half_life)),
         workers,
     }
 }

@@ -423,7 +423,7 @@ async fn the_scale_in_cost_counts_only_prefixes_no_other_replica_holds() {
             .replicas
             .iter()
             .find(|r| r.url == url)
-            .map(|r| r.scale_in_cost)
+            .and_then(|r| r.scale_in_cost)
             .unwrap()
     };
 
