@@ -31,6 +31,8 @@
 #                         accepts" column is the host's PassiveOpens (/proc/net/snmp) over the
 #                         pass per request: mostly the simulator accepting the router's
 #                         connections (anything else on the host counts too).
+#      SCALE_ROUTE_FIRST  the router is given only the first K of the N replicas (the others
+#                         idle in the same simulator process): hosting N against serving N.
 #      SCALE_KEEP         keep the work directory (logs) and print its path
 #      SCALE_CHURN        1: one more replica, in a simulator process of its own, beside the N;
 #                         after the idle window it is killed (SIGKILL) and started again on the
@@ -159,8 +161,8 @@ for n in $NS; do
   while read -r line; do
     url=$(field "$line" url) ev=$(field "$line" events) rp=$(field "$line" replay)
     flags+=(--replica "$url,events=$(dial "$ev"),replay=$(dial "$rp")")
-  done < <(grep '^replica=' "$WORK/sim.out")
-  want=$n
+  done < <(grep '^replica=' "$WORK/sim.out" | head -n "${SCALE_ROUTE_FIRST:-$n}")
+  want=$(( ${#flags[@]} / 2 ))
   if [ "${SCALE_CHURN:-0}" = 1 ]; then
     read -r CP CE CR < <(free_ports 3)
     CHURN_URL="http://127.0.0.1:$CP"
@@ -175,7 +177,7 @@ for n in $NS; do
     }
     start_churn
     flags+=(--replica "$CHURN_URL,events=tcp://127.0.0.1:$CE,replay=tcp://127.0.0.1:$CR")
-    want=$(( n + 1 ))
+    want=$(( want + 1 ))
   fi
   NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model tiny \
     --tokenizer "$TOKENIZER" --block-size 16 ${SCALE_ROUTER_ARGS:-} "${flags[@]}" \
@@ -192,9 +194,9 @@ for n in $NS; do
   r1=$(ticks "$ROUTER_PID") s1=$(ticks "$SIM_PID")
   read -r up subscribed total scrapes1 < <(fleet_state "http://$ADMIN_ADDR")
   pct() { awk -v d="$1" -v t="$TCK" -v s="$IDLE" 'BEGIN {printf "%.1f", 100 * d / t / s}'; }
-  rate=$(awk -v d=$(( scrapes1 - scrapes0 )) -v n="$n" -v s="$IDLE" 'BEGIN {printf "%.2f", d / n / s}')
+  rate=$(awk -v d=$(( scrapes1 - scrapes0 )) -v n="$want" -v s="$IDLE" 'BEGIN {printf "%.2f", d / n / s}')
   rss=$(rss_mib "$ROUTER_PID")
-  per=$(awk -v m="$rss" -v n="$n" 'BEGIN {printf "%.0f", m * 1024 / n}')
+  per=$(awk -v m="$rss" -v n="$want" 'BEGIN {printf "%.0f", m * 1024 / n}')
   echo "| $n | $(pct $(( r1 - r0 ))) | $(pct $(( s1 - s0 ))) | $rate | $rss ($per) | $(rss_mib "$SIM_PID") | $up / $subscribed / $total |"
   if [ "$up" -ne "$want" ] || [ "$subscribed" -ne "$want" ] || [ "$total" -ne "$want" ]; then
     missing=1
