@@ -61,6 +61,10 @@ pub struct ServeArgs {
     /// comparison) [default: round-robin].
     #[arg(long, env = "KINFERENCE_BASELINES", value_delimiter = ',')]
     baselines: Option<Vec<String>>,
+    /// One-pool fleet: hot-prefix warming, `off`, `chosen` or `next` (see docs/config.md,
+    /// "Hot-prefix warming") [default: off].
+    #[arg(long, env = "KINFERENCE_WARM")]
+    warm: Option<kinference_proxy::WarmMode>,
     // The help is an attribute, not a doc comment: its `[...]` are option syntax, not links.
     #[arg(
         long = "replica",
@@ -184,6 +188,7 @@ impl ServeArgs {
             || self.tokenizer_cache_bytes.is_some()
             || self.savings_profile.is_some()
             || self.baselines.is_some()
+            || self.warm.is_some()
             || !self.replicas.is_empty()
             || self.inference_pool.is_some()
     }
@@ -270,6 +275,9 @@ impl ServeArgs {
         }
         if let Some(b) = &self.baselines {
             pool.baselines = b.iter().filter(|b| *b != "none").cloned().collect();
+        }
+        if let Some(w) = self.warm {
+            pool.warm.mode = w;
         }
         pool.replicas = replicas;
         pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {

@@ -73,6 +73,7 @@ mod limits;
 mod metrics;
 pub mod savings;
 mod usage;
+mod warm;
 // Talking to replicas:
 mod link;
 mod upstream;
@@ -91,6 +92,7 @@ mod decide;
 mod forward;
 mod pick;
 mod server;
+mod warming;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -108,7 +110,7 @@ pub use api::{ReadyResponse, ReplicasResponse, ScrapeCounts};
 pub use config::{
     parse_policy, AdminAuth, AdminToken, Config, ConfigError, ConfigErrors, EventSourceError,
     EventsSpec, InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec,
-    UpstreamProtocol, UrlError,
+    UpstreamProtocol, UrlError, WarmConfig, WarmMode,
 };
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers, ReconfigureError};
