@@ -79,7 +79,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     };
     let mut routed = decide::route(&fleet, prepared);
     decide::record_decision(&fleet, &routed);
-    warming::spawn(&fleet, &upstream, &routed, &parts.headers);
+    warming::spawn(&fleet, &upstream, &mut routed, &parts.headers);
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,

@@ -27,10 +27,18 @@ const RESPONSE_LIMIT: usize = 1 << 20;
 
 /// Plans a warm for a routed request and, if one is due, sends it from a task of its own.
 /// `client` are the request's headers: its `Authorization` goes with the warm (replicas that
-/// check an API key would refuse it otherwise).
-pub(crate) fn spawn(fleet: &Arc<Fleet>, upstream: &Upstream, routed: &Routed, client: &HeaderMap) {
+/// check an API key would refuse it otherwise). The request's token ids are let go here, so
+/// they are not held while its response streams.
+pub(crate) fn spawn(
+    fleet: &Arc<Fleet>,
+    upstream: &Upstream,
+    routed: &mut Routed,
+    client: &HeaderMap,
+) {
+    let Some(src) = routed.prepared.warm.take() else {
+        return;
+    };
     let p = &routed.prepared;
-    let Some(src) = &p.warm else { return };
     let cfg = &p.rules.config.warm;
     let Some(plan) = plan(cfg.mode, &routed.decision, cfg.min_blocks) else {
         return;
