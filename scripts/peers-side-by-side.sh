@@ -30,6 +30,12 @@
 #      PEERS_GPU_BLOCKS       KV blocks of 16 tokens per replica (default 2048: the fleet holds
 #                             about 40 % of the conversations' tokens at once, so placement matters)
 #      PEERS_KINFERENCE_POLICY  the first target's policy, a name or YAML (default precise)
+#      PEERS_WARM_MODES       hot-prefix warming modes to add as targets, space-separated
+#                             (`next`, `chosen`): one more kinference per mode, named
+#                             kinference-warm-MODE, with `--warm MODE`; after the bench each
+#                             kinference target's decisions and warms' cost (kinference_warm_*
+#                             from its /metrics) are printed, the latter to add to the report's
+#                             prefill GPU-s (which counts client requests only)
 #      PEERS_WORKLOAD         multi-turn (default) or hot-prefix: groups of requests sharing a
 #                             long prefix, Zipf-popular (the hottest group alone is more than one
 #                             replica's share), Poisson arrivals; sized by PEERS_HOT_REQUESTS
@@ -54,6 +60,7 @@ PEERS_DIR=${KINFERENCE_PEERS_DIR:-$HOME/.cache/kinference/peers}
 CONVERSATIONS=${PEERS_CONVERSATIONS:-80}
 SPEEDUP=${PEERS_SPEEDUP:-4}
 KINFERENCE_POLICY=${PEERS_KINFERENCE_POLICY:-precise}
+WARM_MODES=${PEERS_WARM_MODES:-}
 WORKLOAD=${PEERS_WORKLOAD:-multi-turn}
 HOT_REQUESTS=${PEERS_HOT_REQUESTS:-1200}
 HOT_GROUPS=${PEERS_HOT_GROUPS:-16}
@@ -133,19 +140,25 @@ done
 
 # --- kinference, twice: precise (the product's default) and round-robin (the baseline)
 TARGETS=()
+KIN_ADMINS=()
 start_kinference() {
   local name=$1 policy=$2 data admin pid
+  shift 2
   NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 \
     --model "$MODEL" --tokenizer "$TOKENIZER" --block-size "$BLOCK" --policy "$policy" \
-    --scrape-interval-ms 200 "${REPLICA_FLAGS[@]}" >"$LOGS/$name.out" 2>"$LOGS/$name.err" &
+    --scrape-interval-ms 200 "$@" "${REPLICA_FLAGS[@]}" >"$LOGS/$name.out" 2>"$LOGS/$name.err" &
   pid=$!
   PIDS+=("$pid")
   read -r data admin < <(router_addrs "$LOGS/$name.err" "$pid" 30) || die "$name did not start"
   wait_router_ready "http://$admin" "$pid" "$REPLICAS" 30 || die "$name never became ready"
   TARGETS+=(--target "$name=http://$data")
-  log "$name: kinference serve --policy $policy on $data (admin $admin)"
+  [ -z "$WARM_MODES" ] || [ "$policy" = round-robin ] || KIN_ADMINS+=("$name=$admin")
+  log "$name: kinference serve --policy $policy $* on $data (admin $admin)"
 }
 start_kinference kinference "$KINFERENCE_POLICY"
+for mode in $WARM_MODES; do
+  start_kinference "kinference-warm-$mode" "$KINFERENCE_POLICY" --warm "$mode"
+done
 start_kinference round-robin round-robin
 
 # --- the peers, cache-aware, with the flags of the shared peer notes; skipped when absent
@@ -209,5 +222,31 @@ wait "$BENCH_PID" || { tail -n 30 "$LOGS/bench.out" >&2; die "the bench failed";
 [ -s "$OUT/report.md" ] || die "the bench wrote no $OUT/report.md"
 cat "$OUT/report.md"
 echo
+# With warming: each router's decisions, and the warms' own cost, priced like the bench's prefill.
+for wa in "${KIN_ADMINS[@]}"; do
+  name=${wa%%=*}
+  curl -fsS "http://${wa#*=}/metrics" >"$OUT/$name.metrics" || die "$name: /metrics did not answer"
+  python3 - "$name" "$OUT/$name.metrics" <<'PY'
+import re, sys
+name, path = sys.argv[1], sys.argv[2]
+def total(metric):
+    v = 0.0
+    for line in open(path):
+        if re.match(metric + r'_total\{', line):
+            v += float(line.rsplit(' ', 1)[1])
+    return v
+skipped = {}
+for line in open(path):
+    m = re.match(r'kinference_warms_skipped_total\{.*reason="([a-z_]+)".*\} (\S+)', line)
+    if m:
+        skipped[m.group(1)] = float(m.group(2))
+print(f"{name}: warms sent {total('kinference_warms_sent'):.0f}, failed "
+      f"{total('kinference_warms_failed'):.0f}, skipped {skipped or 0}; warm prompt tokens "
+      f"{total('kinference_warm_prompt_tokens'):.0f} (cached {total('kinference_warm_cached_tokens'):.0f}), "
+      f"warm prefill GPU-s {total('kinference_warm_prefill_gpu_seconds'):.2f}; decisions: "
+      + ", ".join(f"{r} {v:.0f}" for r, v in sorted(
+          (m.group(1), float(m.group(2))) for m in (re.match(r'kinference_decisions_total\{.*reason="([a-z_]+)"\} (\S+)', l) for l in open(path)) if m)))
+PY
+done
 [ "${#SKIPPED[@]}" -eq 0 ] || log "skipped: ${SKIPPED[*]}"
 log "report folder: $OUT (results.json, report.md, plots)"

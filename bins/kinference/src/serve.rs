@@ -68,6 +68,10 @@ pub struct ServeArgs {
     /// current; needs --inference-pool and patch on pods).
     #[arg(long, env = "KINFERENCE_SCALE_IN")]
     scale_in: Option<String>,
+    /// One-pool fleet: hot-prefix warming, `off`, `chosen` or `next` (see docs/config.md,
+    /// "Hot-prefix warming") [default: off].
+    #[arg(long, env = "KINFERENCE_WARM")]
+    warm: Option<kinference_proxy::WarmMode>,
     // The help is an attribute, not a doc comment: its `[...]` are option syntax, not links.
     #[arg(
         long = "replica",
@@ -192,6 +196,7 @@ impl ServeArgs {
             || self.savings_profile.is_some()
             || self.baselines.is_some()
             || self.scale_in.is_some()
+            || self.warm.is_some()
             || !self.replicas.is_empty()
             || self.inference_pool.is_some()
     }
@@ -288,6 +293,9 @@ impl ServeArgs {
         }
         if let Some(s) = scale_in {
             pool.scale_in = s;
+        }
+        if let Some(w) = self.warm {
+            pool.warm.mode = w;
         }
         pool.replicas = replicas;
         pool.inference_pool = self.inference_pool.as_ref().map(|name| InferencePoolRef {

@@ -335,6 +335,10 @@ pub struct PoolConfig {
     /// Kubernetes (see [`ScaleIn`]).
     #[serde(default)]
     pub scale_in: ScaleIn,
+    /// Hot-prefix warming: when a hot prefix spills onto a worker that lacks it, send the
+    /// prefix alone to a worker so that later spills find it cached. Off by default.
+    #[serde(default)]
+    pub warm: WarmConfig,
 }
 
 /// Cache-aware scale-in. Every routed request adds, to the replica it goes to, the prompt
@@ -370,6 +374,30 @@ impl Default for ScaleIn {
             interval_s: 30.0,
             hysteresis: 0.25,
             max_patches: 20,
+        }
+    }
+}
+
+/// Which worker a spilled hot prefix is warmed on (`warm.mode`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WarmMode {
+    /// No warming.
+    #[default]
+    Off,
+    /// The worker the spilled request goes to, alongside that request.
+    Chosen,
+    /// The next within-cap worker lacking the prefix after the chosen one: where the next
+    /// spill is likely to go.
+    Next,
+}
+
+impl WarmMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WarmMode::Off => "off",
+            WarmMode::Chosen => "chosen",
+            WarmMode::Next => "next",
         }
     }
 }
@@ -418,6 +446,53 @@ impl ScaleIn {
         if self.max_patches == 0 {
             errs.push(format!("{path}.max_patches"), "must be at least 1");
         }
+    }
+}
+
+impl FromStr for WarmMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(WarmMode::Off),
+            "chosen" => Ok(WarmMode::Chosen),
+            "next" => Ok(WarmMode::Next),
+            _ => Err(format!("{s:?} is not a warm mode (off, chosen, next)")),
+        }
+    }
+}
+
+/// Hot-prefix warming of one pool (see docs/config.md, "Hot-prefix warming").
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WarmConfig {
+    pub mode: WarmMode,
+    /// A prefix is warmed on a worker at most once per this many milliseconds.
+    pub cooldown_ms: u64,
+    /// Warms of the pool in flight at once; a warm beyond it is skipped.
+    pub max_in_flight: u32,
+    /// Warm only when the worker lacks at least this many blocks of the hot prefix.
+    pub min_blocks: u32,
+    /// vLLM's `priority` for warms (lower runs first; the replicas must run with
+    /// `--scheduling-policy priority`, or vLLM refuses a nonzero one); none sent when unset.
+    pub priority: Option<i64>,
+}
+
+impl Default for WarmConfig {
+    fn default() -> Self {
+        WarmConfig {
+            mode: WarmMode::Off,
+            cooldown_ms: 30_000,
+            max_in_flight: 4,
+            min_blocks: 4,
+            priority: None,
+        }
+    }
+}
+
+impl WarmConfig {
+    pub fn cooldown(&self) -> Duration {
+        Duration::from_millis(self.cooldown_ms)
     }
 }
 
@@ -473,6 +548,7 @@ impl PoolConfig {
             savings_profile: default_savings_profile(),
             baselines: default_baselines(),
             scale_in: ScaleIn::default(),
+            warm: WarmConfig::default(),
         }
     }
 
@@ -1195,6 +1271,12 @@ fn resolve_pool(pool: &PoolConfig, path: &str, errs: &mut Errors) -> Option<Reso
             "needs an inferencePool: only discovered pods can be annotated",
         );
     }
+    if pool.warm.mode != WarmMode::Off && pool.warm.max_in_flight == 0 {
+        errs.push(
+            format!("{path}.warm.max_in_flight"),
+            "must be at least 1 while warming is on",
+        );
+    }
     let savings = SavingsModel::builtin(&pool.savings_profile)
         .map_err(|e| errs.push(format!("{path}.savings_profile"), e.to_string()))
         .ok();
@@ -1372,6 +1454,33 @@ mod inference_pool_tests {
         cfg.pools[0].tokenizer = kinference_testkit::tokenizer_dir();
         cfg.pools[0].block_size = 16;
         cfg.check().unwrap();
+    }
+
+    #[test]
+    fn warming_is_off_unless_a_pool_asks_for_it() {
+        let replicas = "    replicas: [http://127.0.0.1:8000]\n";
+        let cfg = Config::parse(&pool(replicas)).unwrap();
+        assert_eq!(cfg.pools[0].warm, WarmConfig::default());
+        assert_eq!(cfg.pools[0].warm.mode, WarmMode::Off);
+        let on = pool(&format!(
+            "{replicas}    warm: {{mode: next, cooldown_ms: 5000, priority: 1}}\n"
+        ));
+        let cfg = Config::parse(&on).unwrap();
+        cfg.check().unwrap();
+        let w = &cfg.pools[0].warm;
+        assert_eq!(
+            (w.mode, w.cooldown(), w.priority),
+            (WarmMode::Next, Duration::from_secs(5), Some(1))
+        );
+        assert_eq!(w.max_in_flight, 4);
+        let none_in_flight = pool(&format!(
+            "{replicas}    warm: {{mode: chosen, max_in_flight: 0}}\n"
+        ));
+        let errs = Config::parse(&none_in_flight).unwrap().validate();
+        assert_eq!(errs[0].path, "pools[0].warm.max_in_flight", "{errs:?}");
+        assert!(Config::parse(&pool(&format!("{replicas}    warm: {{mode: always}}\n"))).is_err());
+        assert_eq!("next".parse::<WarmMode>(), Ok(WarmMode::Next));
+        assert!("hot".parse::<WarmMode>().is_err());
     }
 }
 

@@ -29,6 +29,7 @@ use kinference_vllm::{Lora, RequestExtras};
 use serde::Deserialize;
 
 use crate::api::{CandidateScore, ExplainResponse, Health};
+use crate::config::WarmMode;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, Pool, Replica, Rules};
 use crate::limits::{Admitted, Shed, ShedLabels};
@@ -83,6 +84,16 @@ pub(crate) struct Prepared {
     pub ticket: u64,
     /// Only these replicas (`host:port` authorities) may be chosen: a gateway's subset hint.
     pub subset: Option<Vec<String>>,
+    /// What a warm of the prompt's prefix is built from; kept only while the pool warms.
+    pub warm: Option<WarmSource>,
+}
+
+/// The parts of a request a warm repeats: its token ids (a warm sends a prefix of them) and
+/// its `cache_salt` (which enters the block hashes).
+#[derive(Debug)]
+pub(crate) struct WarmSource {
+    pub tokens: Vec<u32>,
+    pub cache_salt: Option<String>,
 }
 
 /// A request body's pool, found from its `model` before any tokenizing (so that a request
@@ -146,7 +157,10 @@ pub(crate) fn prepare_looked(
             (Vec::new(), Some(e.to_string()))
         }
     };
+    let warms = rules.config.warm.mode != WarmMode::Off && !peek;
+    let salt = if warms { head.cache_salt.clone() } else { None };
     let hashes = hash(&rules, &tokens, lora, head.cache_salt);
+    let warms = warms && !hashes.is_empty();
     let session = rules
         .session_header
         .as_ref()
@@ -167,6 +181,10 @@ pub(crate) fn prepare_looked(
             pool.ticket()
         },
         subset: None,
+        warm: warms.then_some(WarmSource {
+            tokens,
+            cache_salt: salt,
+        }),
     })
 }
 

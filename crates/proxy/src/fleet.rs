@@ -48,6 +48,7 @@ use crate::limits::{Gate, QueueLabel};
 use crate::metrics::Metrics;
 use crate::savings::{BaselineGuess, Saved, SavingsModel};
 use crate::upstream::Upstream;
+use crate::warm::Warmer;
 
 /// Settings the request path reads.
 #[derive(Clone, Debug)]
@@ -233,6 +234,8 @@ pub(crate) struct Pool {
     /// tokens the policy expected the chosen replica to have cached (the predicted hit rate).
     routed_prompt_tokens: AtomicU64,
     predicted_cached_tokens: AtomicU64,
+    /// Hot-prefix warming's cooldowns and warms in flight (`warm`).
+    pub warmer: Warmer,
 }
 
 /// How a pool's requests are tokenized, hashed and placed: the settings a discovered pool's
@@ -864,6 +867,7 @@ async fn build_pool(
         savings: rp.savings,
         routed_prompt_tokens: AtomicU64::new(0),
         predicted_cached_tokens: AtomicU64::new(0),
+        warmer: Warmer::default(),
     };
     Ok(Built { pool, discover })
 }

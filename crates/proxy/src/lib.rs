@@ -16,6 +16,8 @@
 //!      decide::route: one index read lock (longest_prefix) + load atomics per worker
 //!        (workers at max_in_flight_per_replica left out while another has room)
 //!      policy lock: select + apply (speculative entries) ── Decision.ranked
+//!      a `prefix_spread` with the pool's `warm` on: the hot prefix alone (max_tokens 1) to
+//!        one worker, from its own task (warming.rs; nothing waits for it)
 //!      forward the original bytes to ranked[0] (+ X-data-parallel-rank when D > 1);
 //!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503 + Retry-After)
 //!      stream the response back frame by frame: first byte releases predicted prefill
@@ -73,6 +75,7 @@ mod limits;
 mod metrics;
 pub mod savings;
 mod usage;
+mod warm;
 // Talking to replicas:
 mod link;
 mod upstream;
@@ -91,6 +94,7 @@ mod decide;
 mod forward;
 mod pick;
 mod server;
+mod warming;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -108,7 +112,7 @@ pub use api::{ReadyResponse, ReplicasResponse, ScrapeCounts};
 pub use config::{
     parse_policy, AdminAuth, AdminToken, Config, ConfigError, ConfigErrors, EventSourceError,
     EventsSpec, InferencePoolRef, PolicyFlagError, PoolConfig, ReplicaFlagError, ReplicaSpec,
-    ScaleIn, UpstreamProtocol, UrlError,
+    ScaleIn, UpstreamProtocol, UrlError, WarmConfig, WarmMode,
 };
 pub use error::{RequestError, StartError};
 pub use members::{JoinError, PoolMembers, ReconfigureError};

@@ -194,6 +194,14 @@ pub(crate) struct Metrics {
     /// Over the same requests: what each baseline would have found cached, and saved.
     pub baseline_tokens: Family<PoolPolicy, Counter>,
     pub baseline_gpu_seconds: Family<PoolPolicy, Counter<f64, AtomicU64>>,
+    /// Hot-prefix warming (`crate::warm`): warms sent, failed, skipped (`kind` = why), their
+    /// prompt tokens, of those the ones the replica had cached, and their prefill GPU-seconds.
+    pub warms_sent: Family<PoolLabel, Counter>,
+    pub warms_failed: Family<PoolLabel, Counter>,
+    pub warms_skipped: Family<PoolKind, Counter>,
+    pub warm_prompt_tokens: Family<PoolLabel, Counter>,
+    pub warm_cached_tokens: Family<PoolLabel, Counter>,
+    pub warm_prefill_gpu_seconds: Family<PoolLabel, Counter<f64, AtomicU64>>,
     /// `kind` = connect | unavailable.
     pub retries: Family<PoolKind, Counter>,
     pub router_errors: Family<KindLabel, Counter>,
@@ -224,6 +232,12 @@ impl Metrics {
             usage_prompt_tokens: Family::default(),
             baseline_tokens: Family::default(),
             baseline_gpu_seconds: Family::default(),
+            warms_sent: Family::default(),
+            warms_failed: Family::default(),
+            warms_skipped: Family::default(),
+            warm_prompt_tokens: Family::default(),
+            warm_cached_tokens: Family::default(),
+            warm_prefill_gpu_seconds: Family::default(),
             retries: Family::default(),
             router_errors: Family::default(),
             upstream_failures: ReplicaFamily::new(Family::default()),
@@ -414,6 +428,39 @@ impl Metrics {
             "Estimated: the prefill GPU-seconds those baseline hits would have saved; saved vs \
              a baseline = kinference_saved_prefill_gpu_seconds minus this",
             self.baseline_gpu_seconds.clone(),
+        );
+        r.register(
+            "kinference_warms_sent",
+            "Hot-prefix warms sent (the prefix alone, max_tokens 1; see warm), by pool",
+            self.warms_sent.clone(),
+        );
+        r.register(
+            "kinference_warms_failed",
+            "Hot-prefix warms that failed (connect, error status, timeout), by pool",
+            self.warms_failed.clone(),
+        );
+        r.register(
+            "kinference_warms_skipped",
+            "Hot-prefix warms planned but not sent, by pool and reason: cooldown (warmed there \
+             within warm.cooldown_ms), in_flight (warm.max_in_flight running), full (the \
+             cooldown table is full), no_room (the worker is at max_in_flight_per_replica)",
+            self.warms_skipped.clone(),
+        );
+        r.register(
+            "kinference_warm_prompt_tokens",
+            "Prompt tokens of the hot-prefix warms sent: their cost in tokens",
+            self.warm_prompt_tokens.clone(),
+        );
+        r.register(
+            "kinference_warm_cached_tokens",
+            "Of the warms' prompt tokens, those the replica reported already cached",
+            self.warm_cached_tokens.clone(),
+        );
+        r.register(
+            "kinference_warm_prefill_gpu_seconds",
+            "GPU-seconds the warms' prefill cost, from the pool's timing profile \
+             (savings_profile), as kinference bench charges a request",
+            self.warm_prefill_gpu_seconds.clone(),
         );
         let usd: Gauge<f64, AtomicU64> = Gauge::default();
         usd.set(prices.usd_per_gpu_hour);

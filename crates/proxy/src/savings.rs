@@ -67,6 +67,14 @@ impl SavingsModel {
             gpu_seconds: self.timing.saved_prefill_seconds(prompt, cached) * f64::from(self.gpus),
         }
     }
+
+    /// GPU-seconds a prompt of `prompt` tokens, `cached` of them served from cache, costs to
+    /// prefill: what `kinference bench` charges each request with (a warm's own cost).
+    pub fn prefill_gpu_seconds(&self, prompt: u32, cached: u64) -> f64 {
+        let prompt = prompt as usize;
+        let cached = usize::try_from(cached).unwrap_or(usize::MAX).min(prompt);
+        self.timing.request_prefill_seconds(prompt, cached) * f64::from(self.gpus)
+    }
 }
 
 /// What a GPU-second costs: the settings `savings.usd_per_gpu_hour` and `savings.gpu_watts`.
@@ -153,6 +161,22 @@ mod tests {
             n * self.per_token
                 + (pairs * self.per_attention_pair).max((c + n) * self.per_kv_token_read)
         }
+    }
+
+    #[test]
+    fn a_prefill_costs_what_its_hit_would_save() {
+        let m = SavingsModel::builtin(DEFAULT_PROFILE).unwrap();
+        let (cold, warm) = (
+            m.prefill_gpu_seconds(2048, 0),
+            m.prefill_gpu_seconds(2048, 1024),
+        );
+        assert!(cold > warm && warm > 0.0, "{cold} {warm}");
+        assert!(close(cold - warm, m.saved(2048, 1024).gpu_seconds));
+        // Cached tokens beyond the prompt are the prompt.
+        assert!(close(
+            m.prefill_gpu_seconds(64, 1000),
+            m.prefill_gpu_seconds(64, 64)
+        ));
     }
 
     #[test]

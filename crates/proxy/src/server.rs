@@ -30,6 +30,7 @@ use crate::fleet::Fleet;
 use crate::forward::{forward, Accounting, Forward};
 use crate::metrics::RequestLabels;
 use crate::upstream::Upstream;
+use crate::warming;
 
 /// What the data port's handlers share: the fleet, and the upstream client of the thread
 /// they run on.
@@ -82,6 +83,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         fleet.settings.max_attempts.max(1) as usize,
     );
     decide::record_decision(&fleet, &routed);
+    warming::spawn(&fleet, &upstream, &mut routed, &parts.headers);
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
