@@ -102,6 +102,28 @@ async fn pods_publishing_to_the_routers_endpoint_are_told_apart_by_topic() {
         .await
         .unwrap_or_else(|| panic!("no batch of {url} reached the router's endpoint"));
     }
+    // A warm-up sent while an earlier one's batch was still on its way is indexed later still.
+    // One more request per pod, waited for in the index, fences them: a pod's batches arrive in
+    // order on its connection, so once the fence is indexed nothing older is still coming and
+    // the counts below move only with the requests they send.
+    for (i, (pod, url)) in pods.iter().zip(&want).enumerate() {
+        let fence = completion(MODEL, &format!("fence {i}: {}", "block ".repeat(40)));
+        let r = post(&http, pod.addr, "/v1/completions", &fence).await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        let blocks = r.json()["usage"]["prompt_tokens"].as_u64().unwrap() as usize / BLOCK as usize;
+        let (http, proxy, fence) = (&http, &proxy, &fence);
+        eventually(WAIT, || async move {
+            let explain = post(http, proxy.admin_addr(), "/debug/explain", fence).await;
+            let explain: ExplainResponse = serde_json::from_str(&explain.body).ok()?;
+            explain
+                .candidates
+                .iter()
+                .any(|c| c.replica == *url && c.gpu_blocks as usize == blocks)
+                .then_some(())
+        })
+        .await
+        .unwrap_or_else(|| panic!("{url}'s fence was never indexed"));
+    }
 
     // Each pod's blocks are its own: a prompt served by one pod is indexed under it alone,
     // and the router sends that prompt's next turn there, with cached tokens.
