@@ -49,6 +49,8 @@
 #                            (llama3.1, qwen3, deepseek-v3, ...); router and replicas use it
 #      RESULTS=target/router-latency                   (a timestamped directory is made in it)
 #      PEERS_DIR=~/.cache/kinference/peers             (one venv per peer; installed when missing)
+#      KINF_FLAGS=           extra `kinference serve` flags, word-split (e.g.
+#                            "--tokenizer-cache-bytes 0")
 #      LOAD_CPUS=, ROUTER_CPUS=   CPU lists for taskset (e.g. LOAD_CPUS=0 ROUTER_CPUS=1): the
 #                            simulator and wrk run on LOAD_CPUS, each router on ROUTER_CPUS, so
 #                            a router does not take CPU from the replicas it fronts, as on a
@@ -74,6 +76,7 @@ PREFIX_CHARS=${PREFIX_CHARS:-4000}
 MAX_TOKENS=${MAX_TOKENS:-8}
 WORKLOAD=${WORKLOAD:-dev}
 TOKENIZER=${TOKENIZER:-llama3.1}
+read -r -a KINF_EXTRA <<<"${KINF_FLAGS:-}"
 [ -d "$TOKENIZER" ] || TOKENIZER=$REPO/../shared/data/tokenizers/$TOKENIZER
 SHAREGPT=$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz
 RESULTS=${RESULTS:-$REPO/target/router-latency}
@@ -364,7 +367,7 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
       ;;
     kinference)
       NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
-        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" \
+        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
     vllm-router)
