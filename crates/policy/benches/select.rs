@@ -1,13 +1,15 @@
 //! Cost of one routing decision: `select` over N candidates for a 256-block prompt with
 //! speculative entries live, and `apply` of the decision; then percentiles of individually
-//! timed decisions over 1,000 candidates (Criterion reports means only).
+//! timed decisions over 1,000 candidates (Criterion reports means only); and one baseline's
+//! `Shadow::observe` per request on a stream like the router-latency bench's (8 shared prefixes
+//! of 58 blocks, 6 blocks of its own per request, 4 workers).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, BenchmarkId, Criterion};
 use kinference_index::{ReplicaId, TierCounts, WorkerId};
-use kinference_policy::{Candidate, Load, Policy, PolicyConfig, RequestCtx};
+use kinference_policy::{Candidate, Load, Policy, PolicyConfig, RequestCtx, Shadow};
 use kinference_vllm::{BlockHash, DpRank};
 
 fn candidates(n: u32) -> Vec<Candidate> {
@@ -144,7 +146,47 @@ fn thread_cpu() -> Duration {
     )
 }
 
-criterion_group!(benches, bench_select);
+fn bench_shadow(c: &mut Criterion) {
+    let cands = candidates(4);
+    let prompt = |t: u64| -> Vec<BlockHash> {
+        (0..64u64)
+            .map(|b| {
+                BlockHash(if b < 58 {
+                    (t % 8) * 1000 + b
+                } else {
+                    1_000_000 + t * 64 + b
+                })
+            })
+            .collect()
+    };
+    let mut group = c.benchmark_group("shadow");
+    for name in ["round-robin", "approximate"] {
+        // Caches of 2,048 blocks per worker, filled by the same stream first.
+        let mut shadow = Shadow::new(name, 2048).unwrap_or_else(|e| panic!("{e}"));
+        let mut t = 0u64;
+        let observe = |shadow: &mut Shadow, t: &mut u64| {
+            *t += 1;
+            let hs = prompt(*t);
+            let req = RequestCtx {
+                hashes: &hs,
+                prompt_tokens: 1024,
+                block_size: 16,
+                session: None,
+                ticket: *t,
+            };
+            shadow.observe(&req, &cands, Duration::from_millis(*t))
+        };
+        for _ in 0..10_000 {
+            observe(&mut shadow, &mut t);
+        }
+        group.bench_function(BenchmarkId::new("observe", name), |b| {
+            b.iter(|| black_box(observe(&mut shadow, &mut t)))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, bench_select, bench_shadow);
 
 fn main() {
     benches();

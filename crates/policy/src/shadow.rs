@@ -99,8 +99,7 @@ impl Shadow {
             .or_insert_with(|| PrefixTracker::new(Duration::MAX, capacity));
         let cached_blocks = cache.prefix_len(worker, req.hashes, now);
         // Last block first, so the first is the most recently used (see the module's doc).
-        let reversed: Vec<_> = req.hashes.iter().rev().copied().collect();
-        let _ = cache.insert(worker, &reversed, now);
+        cache.record(worker, req.hashes.iter().rev().copied(), now);
         Guess {
             worker: Some(worker),
             cached_blocks,
