@@ -195,15 +195,23 @@ impl PrefixCache {
                     .filter_map(|id| g.entries.get(id).map(|(e, _)| (*id, e.clone())))
                     .collect()
             };
-            let best = candidates
-                .into_iter()
-                .map(|(id, e)| {
-                    let l = common_prefix(text.as_bytes(), e.text.as_bytes());
-                    (e, id, l)
-                })
-                .max_by_key(|(_, _, l)| *l);
-            if let Some(b) = best {
-                return Some(b);
+            // Most recent first. A later candidate can only share more than the best so far if
+            // it agrees at the byte where the best one stopped: one byte read rejects most, so
+            // siblings of a long shared prefix are not each scanned to its end.
+            let mut best: Option<(Arc<Entry>, u64, usize)> = None;
+            for (id, e) in candidates {
+                if let Some((_, _, l)) = &best {
+                    if e.text.as_bytes().get(*l) != text.as_bytes().get(*l) || *l == text.len() {
+                        continue;
+                    }
+                }
+                let l = common_prefix(text.as_bytes(), e.text.as_bytes());
+                if best.as_ref().is_none_or(|(_, _, b)| l > *b) {
+                    best = Some((e, id, l));
+                }
+            }
+            if best.is_some() {
+                return best;
             }
         }
         None
