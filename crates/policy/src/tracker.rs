@@ -5,7 +5,7 @@
 //! Invariants: an entry is live iff `now < deadline`; inserting an existing (block, worker)
 //! pair moves its deadline; at most `capacity` pairs are kept, the one with the earliest
 //! deadline (the least recently routed, as all entries share one TTL) leaving first. Expired
-//! and superseded entries are dropped lazily by [`PrefixTracker::insert`] and
+//! and superseded entries are dropped lazily by [`PrefixTracker::insert`] (and `record`) and
 //! [`PrefixTracker::expire`], so lookups never mutate. An insertion can be taken back
 //! ([`PrefixTracker::undo`], with the [`Inserted`] receipt `insert` returned): each pair it set
 //! and that nothing has refreshed since returns to what it was before (absent, or its earlier
