@@ -160,15 +160,6 @@ pub(crate) fn body(
     b
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a completion response, if it reports them.
-pub(crate) fn cached_tokens(body: &[u8]) -> Option<u64> {
-    let v: Value = serde_json::from_slice(body).ok()?;
-    v.get("usage")?
-        .get("prompt_tokens_details")?
-        .get("cached_tokens")?
-        .as_u64()
-}
-
 #[cfg(test)]
 mod tests {
     use kinference_index::{ReplicaId, WorkerId};
@@ -335,13 +326,5 @@ mod tests {
         let b = body("m", &[1], Some("s"), &cfg);
         assert_eq!(b["cache_salt"], "s");
         assert_eq!(b["priority"], 5);
-    }
-
-    #[test]
-    fn cached_tokens_are_read_from_usage() {
-        let body =
-            br#"{"usage": {"prompt_tokens": 64, "prompt_tokens_details": {"cached_tokens": 32}}}"#;
-        assert_eq!(cached_tokens(body), Some(32));
-        assert_eq!(cached_tokens(b"{}"), None);
     }
 }

@@ -13,14 +13,14 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::Method;
 use http_body_util::{BodyExt, Limited};
-use kinference_policy::Decision;
 use kinference_vllm::BlockHash;
 
 use crate::decide::Routed;
 use crate::fleet::{Fleet, InFlight};
 use crate::metrics::{PoolKind, PoolLabel};
 use crate::upstream::{build_request, error_chain, Upstream};
-use crate::warm::{body, cached_tokens, plan, Skip};
+use crate::usage::UsageScanner;
+use crate::warm::{body, plan, Skip};
 
 /// The largest warm response read (a completion of one token).
 const RESPONSE_LIMIT: usize = 1 << 20;
@@ -103,14 +103,8 @@ pub(crate) fn spawn(
         }
     };
     let hashes: Vec<BlockHash> = p.hashes[..blocks].to_vec();
-    let warm_decision = Decision {
-        ranked: vec![plan.worker],
-        reason: routed.decision.reason,
-        scores: Vec::new(),
-        policy: routed.decision.policy,
-    };
     let rules = p.rules.clone();
-    let applied = rules.policy.lock().apply(&warm_decision, &hashes, now);
+    let applied = rules.policy.lock().apply_to(plan.worker, &hashes, now);
     let pl = PoolLabel {
         pool: pool.name.clone(),
     };
@@ -145,7 +139,9 @@ pub(crate) fn spawn(
             if !status.is_success() {
                 return Err(format!("answered {status}"));
             }
-            Ok(cached_tokens(&bytes))
+            let mut usage = UsageScanner::default();
+            usage.feed(&bytes);
+            Ok(usage.cached_tokens())
         })
         .await
         .unwrap_or_else(|_| Err(format!("no answer within {} ms", timeout.as_millis())));
