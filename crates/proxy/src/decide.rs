@@ -465,8 +465,6 @@ fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied, Vec<B
     let mut baselines = Vec::new();
     if apply {
         count_unique_hit(p, &decision, &candidates, now);
-    }
-    if apply {
         let mut shadows = p.rules.shadows.lock();
         baselines.reserve(shadows.len());
         for s in shadows.iter_mut() {

@@ -40,6 +40,9 @@ pub(crate) fn take(fleet: &Fleet, costs: Costs) -> ReplicasResponse {
 /// `since_start` is the fleet's clock ([`crate::fleet::Fleet::now`]), which the replicas'
 /// scale-in costs are kept on.
 pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration, costs: Costs) -> PoolStatus {
+    // (now on the fleet's clock, half-life) when the costs are computed.
+    let scale_in =
+        (costs == Costs::Compute).then(|| (since_start, pool.rules().config.scale_in.half_life()));
     let (index_entries, index_blocks) = pool.index_size();
     let plane = pool.plane();
     let (routed_prompt_tokens, predicted_cached_tokens) = pool.routed_tokens();
@@ -56,7 +59,7 @@ pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration, costs: Cost
         replicas: pool
             .replicas()
             .iter()
-            .map(|r| replica(pool, plane.as_deref(), r, now, since_start, costs))
+            .map(|r| replica(pool, plane.as_deref(), r, now, scale_in))
             .collect(),
         routed_prompt_tokens,
         predicted_cached_tokens,
@@ -101,10 +104,8 @@ fn replica(
     plane: Option<&EventPlane>,
     r: &Replica,
     now: Instant,
-    since_start: Duration,
-    costs: Costs,
+    scale_in: Option<(Duration, Duration)>,
 ) -> ReplicaStatus {
-    let half_life = pool.rules().config.scale_in.half_life();
     let workers = (0..r.dp_size())
         .map(|rank| {
             let worker = r.worker(rank);
@@ -133,8 +134,9 @@ fn replica(
         prefix_cache_hits: info.prefix_cache_hits,
         prefix_cache_queries: info.prefix_cache_queries,
         scrapes: info.scrapes,
-        scale_in_cost: (costs == Costs::Compute)
-            .then(|| r.scale_in_cost(&pool.index.read(), since_start, half_life)),
+        scale_in_cost: scale_in.map(|(since_start, half_life)| {
+            r.scale_in_cost(&pool.index.read(), since_start, half_life)
+        }),
         workers,
     }
 }
