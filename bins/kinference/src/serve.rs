@@ -311,9 +311,9 @@ impl ServeArgs {
                 if self.has_pool_flags() {
                     anyhow::bail!(
                         "--model, --tokenizer, --block-size, --hash-algo, --hash-seed, --policy, \
-                         --session-header, --baselines, --scale-in, --replica and \
-                         --inference-pool describe a file-less fleet; with --config put pools \
-                         in the file"
+                         --session-header, --tokenizer-cache-bytes, --savings-profile, \
+                         --baselines, --scale-in, --warm, --replica and --inference-pool \
+                         describe a file-less fleet; with --config put pools in the file"
                     );
                 }
                 let text = std::fs::read_to_string(path)

@@ -1,6 +1,6 @@
 //! Cache-aware scale-in: keeps each pod's `controller.kubernetes.io/pod-deletion-cost`
-//! annotation at the router's scale-in cost of its replicas (the prompt tokens of recent
-//! requests they served from a prefix no other replica held; see the pool's `scale_in`
+//! annotation at the router's scale-in cost of its replicas (the tokens of the prefixes they
+//! recently served from cache that no other replica holds; see the pool's `scale_in`
 //! setting), so that a ReplicaSet or LeaderWorkerSet scaling down deletes the pod whose cache
 //! is worth least first.
 //!

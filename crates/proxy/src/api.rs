@@ -206,8 +206,9 @@ pub struct ReplicaStatus {
     /// This router's scrapes of the replica's `/metrics` since it joined.
     #[serde(default)]
     pub scrapes: ScrapeCounts,
-    /// What losing the replica would cost: prompt tokens of recent requests it served from a
-    /// cached prefix no other replica held, decayed with the pool's `scale_in.half_life_s`.
+    /// What losing the replica would cost: the tokens of the prefixes it recently served from
+    /// cache that no other replica holds, each counted once and halved for every
+    /// `scale_in.half_life_s` of the pool since its last hit.
     /// The lowest is the one to remove when scaling in. Given by `/debug/replicas` (not
     /// computed for probes and metrics).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -341,10 +341,10 @@ pub struct PoolConfig {
     pub warm: WarmConfig,
 }
 
-/// Cache-aware scale-in. Every routed request adds, to the replica it goes to, the prompt
-/// tokens it finds cached there and in no other replica (in any tier); the sum decays with
-/// `half_life_s`. That is the replica's scale-in cost, in `/debug/replicas`: the prefill its
-/// cache saved on recent traffic that no other replica could have served. With
+/// Cache-aware scale-in. A replica's scale-in cost (in `/debug/replicas`) is the prefill that
+/// losing it would cost: the tokens of the prefixes it recently served from cache that no
+/// other replica holds (in any tier), each counted once and halved for every `half_life_s`
+/// since its last hit (`kinference_policy::UniqueHits`). With
 /// `pod_deletion_cost` (an `inferencePool` pool only; the router needs `patch` on pods), the
 /// router keeps each pod's `controller.kubernetes.io/pod-deletion-cost` annotation at its
 /// cost, so that a Deployment or LeaderWorkerSet scaling down deletes the pod whose cache is
@@ -402,6 +402,19 @@ impl WarmMode {
     }
 }
 
+impl FromStr for WarmMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "off" => Ok(WarmMode::Off),
+            "chosen" => Ok(WarmMode::Chosen),
+            "next" => Ok(WarmMode::Next),
+            _ => Err(format!("{s:?} is not a warm mode (off, chosen, next)")),
+        }
+    }
+}
+
 impl ScaleIn {
     /// The setting from a flag: the YAML of `scale_in:` (`{pod_deletion_cost: true}`),
     /// checked as a configuration file's is.
@@ -445,19 +458,6 @@ impl ScaleIn {
         }
         if self.max_patches == 0 {
             errs.push(format!("{path}.max_patches"), "must be at least 1");
-        }
-    }
-}
-
-impl FromStr for WarmMode {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "off" => Ok(WarmMode::Off),
-            "chosen" => Ok(WarmMode::Chosen),
-            "next" => Ok(WarmMode::Next),
-            _ => Err(format!("{s:?} is not a warm mode (off, chosen, next)")),
         }
     }
 }

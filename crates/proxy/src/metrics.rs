@@ -342,9 +342,6 @@ impl Metrics {
             + self.upstream_failures.forget(keep)
     }
 
-    /// Registers every family, and a collector rendering the fleet's state from `snapshot`
-    /// at each scrape; `prices` are exposed as gauges so a dashboard can turn saved
-    /// GPU-seconds into kWh and money.
     /// The families the dashboard's totals are read from (`dashboard::Totals`), alone: what it
     /// samples every second, without the per-replica state series and the other families of
     /// the full page (at a thousand replicas, rendering those every second was ~6 % of a core).
@@ -385,6 +382,9 @@ impl Metrics {
         );
     }
 
+    /// Registers every family, and a collector rendering the fleet's state from `snapshot`
+    /// at each scrape; `prices` are exposed as gauges so a dashboard can turn saved
+    /// GPU-seconds into kWh and money.
     pub fn registry(&self, snapshot: Snapshotter, prices: Prices) -> Registry {
         let mut r = Registry::default();
         self.register_totals(&mut r);

@@ -69,10 +69,9 @@ use tokenizers::Tokenizer as HfTokenizer;
 
 use crate::error::{Result, TokenizeError};
 use crate::fast_bpe::FastBpe;
-use crate::pretok::SplitPoint;
 use crate::pretok::{
-    DEEPSEEK_CJK_REGEX, DEEPSEEK_DIGITS_REGEX, DEEPSEEK_WORD_REGEX, LLAMA3_REGEX, QWEN_REGEX,
-    WORD_SPLIT_SPACING,
+    SplitPoint, DEEPSEEK_CJK_REGEX, DEEPSEEK_DIGITS_REGEX, DEEPSEEK_WORD_REGEX, LLAMA3_REGEX,
+    QWEN_REGEX, WORD_SPLIT_SPACING,
 };
 
 /// `Split` regexes checked against the argument in the module docs, exactly as they appear in

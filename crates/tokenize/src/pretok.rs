@@ -8,7 +8,7 @@
 pub(crate) struct SplitPoint {
     pub byte: u32,
     pub token: u32,
-    /// A word split (see the module docs) rather than the end of an added token.
+    /// A word split (see the `encoder` module) rather than the end of an added token.
     pub word: bool,
 }
 
