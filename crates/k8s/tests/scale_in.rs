@@ -198,7 +198,16 @@ struct Outcome {
 /// ReplicaSet scaling down would, and runs the second workload.
 async fn scenario(client: &Client, remove: Option<usize>) -> Outcome {
     let ns = namespace(client, "scalein").await;
-    let pool = routed_pool(client, &ns, routing_spec("llama"), &PODS, None).await;
+    // Placement by cache and the ticket's rotation only: with the default weights a pod's load
+    // as last scraped (every 50 ms, so sometimes mid-request) moved a document without a
+    // holder, or spread one over the cap, in about one run in seven, and the runs compared
+    // below (one per removed pod) must place the first workload alike.
+    let mut spec = routing_spec("llama");
+    let weights = spec.policy.weights.get_or_insert_with(Default::default);
+    weights.load_weight_tokens = Some(0.0);
+    weights.fair_share_cap = Some(1000.0);
+    weights.kv_pressure_tokens = Some(0.0);
+    let pool = routed_pool(client, &ns, spec, &PODS, None).await;
     let (proxy, task) = scale_in_router(client, &ns).await;
     wait_fleet(&proxy, &pool.urls).await;
     let served = run(&proxy, &workload(1, 80)).await;
@@ -244,6 +253,32 @@ async fn scenario(client: &Client, remove: Option<usize>) -> Outcome {
     }
 }
 
+/// A run with every pod, then one per pod removed (by its rank), all of whose first workloads
+/// placed the documents alike, so that the losses compare removals of the same fleet: something
+/// timing-dependent (the likely one: the scrapes every 50 ms, which also judge health) still
+/// moves a document now and then (3 of 32 runs when measured). A removal run that places them otherwise is run again, up to 4 times; `None` when
+/// one never matches (the run with every pod may itself be the odd one).
+async fn series(client: &Client) -> Option<(Outcome, Vec<Outcome>)> {
+    let kept = scenario(client, None).await;
+    let mut runs = Vec::new();
+    for rank in 0..PODS.len() {
+        let mut matched = None;
+        for _ in 0..4 {
+            let o = scenario(client, Some(rank)).await;
+            if o.expected == kept.expected {
+                matched = Some(o);
+                break;
+            }
+            println!(
+                "scale-in: a run placed the first workload otherwise ({:?}, not {:?}): again",
+                o.expected, kept.expected
+            );
+        }
+        runs.push(matched?);
+    }
+    Some((kept, runs))
+}
+
 /// The pods, cheapest first (ties by name).
 fn by_annotation(ann: &BTreeMap<&'static str, i64>) -> Vec<&'static str> {
     let mut order: Vec<&'static str> = PODS.iter().map(|p| p.0).collect();
@@ -260,7 +295,16 @@ async fn the_cheapest_pod_by_deletion_cost_loses_the_fewest_hits() {
     let Some(kc) = kubeconfig() else { return };
     let client = admin(&kc).await;
     install_crds(&client).await;
-    let kept = scenario(&client, None).await;
+    let (kept, runs) = {
+        let mut found = None;
+        for _ in 0..3 {
+            found = series(&client).await;
+            if found.is_some() {
+                break;
+            }
+        }
+        found.expect("no series of runs placed the first workload alike")
+    };
     println!(
         "scale-in: after the first workload, costs from the replies {:?}, annotations {:?}; \
          second workload with all 4 pods: {} of {} prompt tokens cached ({:.1} %)",
@@ -271,8 +315,7 @@ async fn the_cheapest_pod_by_deletion_cost_loses_the_fewest_hits() {
         100.0 * kept.cached as f64 / kept.prompt as f64
     );
     let mut lost = Vec::new();
-    for rank in 0..PODS.len() {
-        let o = scenario(&client, Some(rank)).await;
+    for (rank, o) in runs.iter().enumerate() {
         assert_eq!(o.prompt, kept.prompt, "the same second workload");
         let pod = o.removed.unwrap();
         let loss = kept.cached.saturating_sub(o.cached);
@@ -281,7 +324,7 @@ async fn the_cheapest_pod_by_deletion_cost_loses_the_fewest_hits() {
              {} cached ({:.1} %), {loss} cached tokens lost",
             o.annotations[pod],
             o.cached,
-            100.0 * o.cached as f64 / o.prompt as f64
+            100.0 * o.cached as f64 / o.prompt as f64,
         );
         lost.push(loss);
     }
