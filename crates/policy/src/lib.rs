@@ -20,6 +20,7 @@
 //!   `Decision::scores`; unavailable ones appear in neither.
 
 mod config;
+mod lru;
 mod policy;
 mod scale_in;
 mod score;

@@ -18,8 +18,8 @@ use std::time::Duration;
 use kinference_index::WorkerId;
 
 use crate::config::PolicyConfig;
+use crate::lru::BlockLru;
 use crate::policy::Policy;
-use crate::tracker::PrefixTracker;
 use crate::types::{Candidate, RequestCtx};
 
 /// One baseline policy with its own picture of the caches.
@@ -27,7 +27,7 @@ use crate::types::{Candidate, RequestCtx};
 pub struct Shadow {
     policy: Policy,
     /// Per worker: the blocks this baseline sent it.
-    caches: HashMap<WorkerId, PrefixTracker>,
+    caches: HashMap<WorkerId, BlockLru>,
     capacity: usize,
 }
 
@@ -93,13 +93,11 @@ impl Shadow {
         };
         let _ = self.policy.apply_to(worker, req.hashes, now);
         let capacity = self.capacity;
-        let cache = self
+        let cached_blocks = self
             .caches
             .entry(worker)
-            .or_insert_with(|| PrefixTracker::new(Duration::MAX, capacity));
-        let cached_blocks = cache.prefix_len(worker, req.hashes, now);
-        // Last block first, so the first is the most recently used (see the module's doc).
-        cache.record(worker, req.hashes.iter().rev().copied(), now);
+            .or_insert_with(|| BlockLru::new(capacity))
+            .touch(req.hashes);
         Guess {
             worker: Some(worker),
             cached_blocks,

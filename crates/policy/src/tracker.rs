@@ -5,7 +5,7 @@
 //! Invariants: an entry is live iff `now < deadline`; inserting an existing (block, worker)
 //! pair moves its deadline; at most `capacity` pairs are kept, the one with the earliest
 //! deadline (the least recently routed, as all entries share one TTL) leaving first. Expired
-//! and superseded entries are dropped lazily by [`PrefixTracker::insert`] (and `record`) and
+//! and superseded entries are dropped lazily by [`PrefixTracker::insert`] and
 //! [`PrefixTracker::expire`], so lookups never mutate. An insertion can be taken back
 //! ([`PrefixTracker::undo`], with the [`Inserted`] receipt `insert` returned): each pair it set
 //! and that nothing has refreshed since returns to what it was before (absent, or its earlier
@@ -23,12 +23,13 @@ use kinference_vllm::BlockHash;
 pub struct PrefixTracker {
     ttl: Duration,
     capacity: usize,
-    /// Per block: (worker, deadline, stamp of the insertion that set the deadline).
-    live: HashMap<BlockHash, Vec<(WorkerId, Duration, u64)>, BuildHasherDefault<MixHasher>>,
+    /// Per (block, worker) pair: (deadline, stamp of the insertion that set the deadline).
+    /// One flat map rather than a list of workers per block: no allocation per new block,
+    /// and a lookup is one probe (a chat prompt inserts and reads hundreds of blocks).
+    live: HashMap<(BlockHash, WorkerId), (Duration, u64), BuildHasherDefault<MixHasher>>,
     /// Every insertion in deadline order (one TTL for all, and time only moves forward).
     /// An element is stale when the pair's current stamp differs (it was refreshed since).
     order: VecDeque<(Duration, u64, BlockHash, WorkerId)>,
-    len: usize,
     stamp: u64,
 }
 
@@ -39,7 +40,6 @@ impl PrefixTracker {
             capacity: capacity.max(1),
             live: HashMap::default(),
             order: VecDeque::new(),
-            len: 0,
             stamp: 0,
         }
     }
@@ -51,7 +51,7 @@ impl PrefixTracker {
     /// Changes the bound; pairs beyond it go at once, the earliest deadline first.
     pub fn set_capacity(&mut self, capacity: usize) {
         self.capacity = capacity.max(1);
-        while self.len > self.capacity {
+        while self.live.len() > self.capacity {
             if !self.pop_oldest() {
                 break;
             }
@@ -60,11 +60,11 @@ impl PrefixTracker {
 
     /// (block, worker) pairs held, live or expired but not yet dropped.
     pub fn len(&self) -> usize {
-        self.len
+        self.live.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.live.is_empty()
     }
 
     /// Records that `worker` was sent `hashes` at `now`; the receipt takes it back
@@ -74,36 +74,12 @@ impl PrefixTracker {
     /// happening at the latest time seen, so deadlines stay ordered.
     pub fn insert(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Duration) -> Inserted {
         let mut before = Vec::new();
-        let first_stamp = self.insert_iter(worker, hashes.iter().copied(), now, Some(&mut before));
-        Inserted {
-            worker,
-            first_stamp,
-            before,
-        }
-    }
-
-    /// [`PrefixTracker::insert`] without a receipt (it cannot be undone), of hashes in any
-    /// order: a cache model that only ever adds keeps no record of what each insertion replaced.
-    pub fn record(
-        &mut self,
-        worker: WorkerId,
-        hashes: impl ExactSizeIterator<Item = BlockHash>,
-        now: Duration,
-    ) {
-        self.insert_iter(worker, hashes, now, None);
-    }
-
-    /// Inserts `hashes` for `worker`, noting in `before` each pair that existed; the stamp of
-    /// the first hash (hash `i` gets `first + i`), 0 when nothing was inserted.
-    fn insert_iter(
-        &mut self,
-        worker: WorkerId,
-        hashes: impl ExactSizeIterator<Item = BlockHash>,
-        now: Duration,
-        mut before: Option<&mut Vec<(u32, Duration, u64)>>,
-    ) -> u64 {
-        if self.ttl.is_zero() || hashes.len() == 0 {
-            return 0;
+        if self.ttl.is_zero() || hashes.is_empty() {
+            return Inserted {
+                worker,
+                first_stamp: 0,
+                before,
+            };
         }
         let now = self
             .order
@@ -112,36 +88,29 @@ impl PrefixTracker {
         self.expire(now);
         let deadline = now.saturating_add(self.ttl);
         let first_stamp = self.stamp + 1;
-        for (i, h) in hashes.enumerate() {
-            let holders = self.live.entry(h).or_default();
+        for (i, &h) in hashes.iter().enumerate() {
             self.stamp += 1;
             let stamp = self.stamp;
-            match holders.iter_mut().find(|(w, _, _)| *w == worker) {
-                Some(entry) => {
-                    if let Some(before) = before.as_deref_mut() {
-                        before.push((i as u32, entry.1, entry.2));
-                    }
-                    entry.1 = deadline;
-                    entry.2 = stamp;
-                }
-                None => {
-                    holders.push((worker, deadline, stamp));
-                    self.len += 1;
-                }
+            if let Some(prior) = self.live.insert((h, worker), (deadline, stamp)) {
+                before.push((i as u32, prior.0, prior.1));
             }
             self.order.push_back((deadline, stamp, h, worker));
         }
-        while self.len > self.capacity {
+        while self.live.len() > self.capacity {
             if !self.pop_oldest() {
                 break;
             }
         }
         // Refreshes leave stale elements behind; keep the queue within a constant factor of
         // the live set so memory stays bounded under a hot prefix.
-        if self.order.len() > 2 * self.len + 4096 {
+        if self.order.len() > 2 * self.live.len() + 4096 {
             self.compact();
         }
-        first_stamp
+        Inserted {
+            worker,
+            first_stamp,
+            before,
+        }
     }
 
     /// Takes back the insertion `receipt` records, `hashes` being the ones it was given: each
@@ -163,29 +132,19 @@ impl PrefixTracker {
                 }
                 _ => None,
             };
-            let Some(holders) = self.live.get_mut(&h) else {
-                continue;
-            };
-            let Some(k) = holders
-                .iter()
-                .position(|&(w, _, s)| w == receipt.worker && s == stamp)
-            else {
+            let key = (h, receipt.worker);
+            let Some(entry) = self.live.get_mut(&key).filter(|e| e.1 == stamp) else {
                 continue;
             };
             match prior {
                 Some((deadline, s)) if deadline > now => {
-                    holders[k].1 = deadline;
-                    holders[k].2 = s;
+                    *entry = (deadline, s);
                     // The queue element of that earlier deadline may have been compacted
                     // away; one more keeps the pair expiring (a duplicate pops as stale).
                     self.order.push_back((deadline, s, h, receipt.worker));
                 }
                 _ => {
-                    holders.swap_remove(k);
-                    self.len -= 1;
-                    if holders.is_empty() {
-                        self.live.remove(&h);
-                    }
+                    self.live.remove(&key);
                 }
             }
         }
@@ -203,14 +162,7 @@ impl PrefixTracker {
 
     /// Forgets a worker (it left the pool).
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        let mut removed = 0;
-        self.live.retain(|_, holders| {
-            let before = holders.len();
-            holders.retain(|(w, _, _)| *w != worker);
-            removed += before - holders.len();
-            !holders.is_empty()
-        });
-        self.len -= removed;
+        self.live.retain(|&(_, w), _| w != worker);
         self.order.retain(|&(_, _, _, w)| w != worker);
     }
 
@@ -218,10 +170,7 @@ impl PrefixTracker {
     pub fn prefix_len(&self, worker: WorkerId, hashes: &[BlockHash], now: Duration) -> u32 {
         let mut n = 0u32;
         for h in hashes {
-            let held = self
-                .live
-                .get(h)
-                .is_some_and(|hs| hs.iter().any(|&(w, d, _)| w == worker && d > now));
+            let held = self.live.get(&(*h, worker)).is_some_and(|&(d, _)| d > now);
             if !held {
                 break;
             }
@@ -230,34 +179,13 @@ impl PrefixTracker {
         n
     }
 
-    /// Workers holding block 0 of `hashes` live at `now`, each with its prefix length.
-    pub fn longest_prefixes(&self, hashes: &[BlockHash], now: Duration) -> Vec<(WorkerId, u32)> {
-        let Some(first) = hashes.first().and_then(|h| self.live.get(h)) else {
-            return Vec::new();
-        };
-        first
-            .iter()
-            .filter(|&&(_, d, _)| d > now)
-            .map(|&(w, _, _)| (w, self.prefix_len(w, hashes, now)))
-            .collect()
-    }
-
     /// Removes the front element of the queue, and its pair if the element is current.
     fn pop_oldest(&mut self) -> bool {
         let Some((_, stamp, h, worker)) = self.order.pop_front() else {
             return false;
         };
-        if let Some(holders) = self.live.get_mut(&h) {
-            if let Some(i) = holders
-                .iter()
-                .position(|&(w, _, s)| w == worker && s == stamp)
-            {
-                holders.swap_remove(i);
-                self.len -= 1;
-                if holders.is_empty() {
-                    self.live.remove(&h);
-                }
-            }
+        if self.live.get(&(h, worker)).is_some_and(|e| e.1 == stamp) {
+            self.live.remove(&(h, worker));
         }
         true
     }
@@ -265,10 +193,8 @@ impl PrefixTracker {
     /// Drops stale queue elements (pairs refreshed since).
     fn compact(&mut self) {
         let live = &self.live;
-        self.order.retain(|&(_, stamp, h, worker)| {
-            live.get(&h)
-                .is_some_and(|hs| hs.iter().any(|&(w, _, s)| w == worker && s == stamp))
-        });
+        self.order
+            .retain(|&(_, stamp, h, worker)| live.get(&(h, worker)).is_some_and(|e| e.1 == stamp));
     }
 }
 
@@ -304,6 +230,11 @@ impl Hasher for MixHasher {
         self.0 = (self.0 ^ v).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         self.0 ^= self.0 >> 29;
     }
+
+    // A worker (replica and rank ids) in a key: one step each instead of four byte steps.
+    fn write_u32(&mut self, v: u32) {
+        self.write_u64(u64::from(v));
+    }
 }
 
 #[cfg(test)]
@@ -324,7 +255,7 @@ mod tests {
         let b: Vec<BlockHash> = (100..150).map(BlockHash).collect();
         // 20,000 refreshes of 100 pairs: compacted along the way, the queue stays bounded.
         for _ in 0..200 {
-            t.record(w, a.iter().copied(), now);
+            t.insert(w, &a, now);
             t.insert(w, &b, now);
         }
         assert_eq!(t.len(), 100);
@@ -339,7 +270,8 @@ mod tests {
         assert_eq!(in_order, [a.clone(), b.clone()].concat());
         // After compaction the least recently refreshed still go first: `a`'s pairs.
         t.set_capacity(100);
-        t.record(w, (200..250u32).map(|i| BlockHash(u64::from(i))), now);
+        let c: Vec<BlockHash> = (200..250).map(BlockHash).collect();
+        t.insert(w, &c, now);
         assert_eq!(t.prefix_len(w, &a, now), 0);
         assert_eq!(t.prefix_len(w, &b, now), 50);
     }

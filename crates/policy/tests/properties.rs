@@ -48,7 +48,7 @@ impl Naive {
 
 #[test]
 fn tracker_matches_the_naive_model() {
-    // Seeds from 20 on never expire anything (the savings shadows' cache model).
+    // Seeds from 20 on never expire anything (a tracker without a TTL).
     for seed in 0..30u64 {
         let mut rng = ChaCha8Rng::seed_from_u64(seed);
         let forever = seed >= 20;
@@ -73,10 +73,10 @@ fn tracker_matches_the_naive_model() {
                     t.insert(w, &hs, now);
                     n.insert(w, &hs, now, ttl, cap);
                 }
-                // Without a receipt, last block first, as a shadow's cache model records.
+                // Last block first, the receipt dropped.
                 3..=4 => {
-                    t.record(w, hs.iter().rev().copied(), now);
                     let reversed: Vec<BlockHash> = hs.iter().rev().copied().collect();
+                    let _ = t.insert(w, &reversed, now);
                     n.insert(w, &reversed, now, ttl, cap);
                 }
                 5 => {
