@@ -6,8 +6,12 @@
 #
 # The router (--policy precise, scraping off so that time spent under valgrind does not add
 # scrapes) fronts 4 simulated replicas with KV events on, as in scripts/router-latency.sh, and
-# gets the same kind of request: one of 8 shared ~4,000-character prefixes plus a unique tail,
-# /v1/completions, max_tokens=8, sent one at a time. The router runs twice, with N1 and with
+# gets the same kind of request, sent one at a time: WORKLOAD=dev (default), one of 8 shared
+# ~4,000-character prefixes plus a unique tail, /v1/completions, max_tokens=8; WORKLOAD=chat,
+# router-latency.sh's real conversations (scripts/lib/chat_bodies.py) limited to the first
+# CHAT_CONVERSATIONS of them, all sent once before the counted requests (so that, as in a
+# long router-latency.sh run, earlier turns and earlier passes are in the caches), then the
+# same requests again with new tags, /v1/chat/completions, max_tokens=8. The router runs twice, with N1 and with
 # N2 requests; (instructions(N2) - instructions(N1)) / (N2 - N1) is the per-request figure,
 # start-up (tokenizer loading) and shutdown cancelling out.
 #
@@ -15,6 +19,7 @@
 #   SIM_BINARY (default ROUTER_BINARY) runs the replicas: give both runs of a comparison the
 #   same one so that only the router differs.
 # env: N1=20 N2=220 TOKENIZER=../shared/data/tokenizers/llama3.1 RESULTS=target/router-instructions
+#      WORKLOAD=dev (or chat) CHAT_CONVERSATIONS=60
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -29,10 +34,22 @@ SIM=${2:-$1}
 N1=${N1:-20}
 N2=${N2:-220}
 TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+WORKLOAD=${WORKLOAD:-dev}
+CHAT_CONVERSATIONS=${CHAT_CONVERSATIONS:-60}
 OUT=${RESULTS:-$REPO/target/router-instructions}/$(date +%Y%m%d-%H%M%S)
 command -v valgrind >/dev/null || { echo "valgrind is needed (apt-get install valgrind)" >&2; exit 1; }
 [ "$N2" -gt "$N1" ] || { echo "N2 must be greater than N1" >&2; exit 1; }
 mkdir -p "$OUT"
+CHAT_BODIES=
+case $WORKLOAD in
+  dev) ;;
+  chat)
+    CHAT_BODIES=$OUT/chat-bodies.tsv
+    python3 "$HERE/lib/chat_bodies.py" "$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz" \
+      "$CHAT_BODIES" "$CHAT_CONVERSATIONS"
+    ;;
+  *) echo "WORKLOAD must be dev or chat" >&2; exit 1 ;;
+esac
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do stop_tree "$p" 5; done' EXIT
 
@@ -56,9 +73,24 @@ count() {
   pid=$!
   PIDS+=("$pid")
   read -r data admin < <(router_addrs "$dir/router.err" "$pid" 600)
-  python3 - "http://$data" "$n" <<'PYEOF'
+  python3 - "http://$data" "$n" "$CHAT_BODIES" <<'PYEOF'
 import json, sys, urllib.request
-url, n = sys.argv[1], int(sys.argv[2])
+url, n, chat = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+def send(path, body, i):
+    req = urllib.request.Request(url + path, body.encode(), {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        r.read()
+        if r.status != 200:
+            sys.exit(f"request {i}: HTTP {r.status}")
+if chat:
+    lines = [l.rstrip("\n").split("\t") for l in open(chat, encoding="utf-8") if "\t" in l]
+    chat_body = lambda i, tag: (f'{{"model":"bench",{lines[i % len(lines)][0]} [{tag}-{i}]'
+                                f'{lines[i % len(lines)][1]},"max_tokens":8,"temperature":0}}')
+    for i in range(len(lines)):
+        send("/v1/chat/completions", chat_body(i, "warm"), i)
+    for i in range(n):
+        send("/v1/chat/completions", chat_body(i, "counted"), i)
+    sys.exit(0)
 words = ("the router sends each request to a replica that already holds its prefix in cache "
          "blocks of sixteen tokens").split()
 def prefix(k):
@@ -70,12 +102,7 @@ def prefix(k):
 prefixes = [prefix(k) for k in range(8)]
 for i in range(n):
     body = {"model": "bench", "prompt": f"{prefixes[i % 8]} request {i} unique tail", "max_tokens": 8}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        r.read()
-        if r.status != 200:
-            sys.exit(f"request {i}: HTTP {r.status}")
+    send("/v1/completions", json.dumps(body), i)
 PYEOF
   stop "$pid" 120
   awk '/^(summary|totals):/ {print $2; exit}' "$dir/callgrind.out"
@@ -87,6 +114,7 @@ per=$(( (i2 - i1) / (N2 - N1) ))
 {
   echo "router: $ROUTER ($("$ROUTER" --version 2>/dev/null || true))"
   echo "simulator: $SIM"
+  echo "workload: $WORKLOAD$([ "$WORKLOAD" = chat ] && echo ", $CHAT_CONVERSATIONS conversations")"
   echo "instructions: $i1 for $N1 requests, $i2 for $N2 requests"
   echo "per request: $per"
 } | tee "$OUT/summary.txt"

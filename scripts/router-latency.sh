@@ -219,32 +219,7 @@ log "results in $OUT"
 CHAT_BODIES=
 if [ "$WORKLOAD" = chat ]; then
   CHAT_BODIES=$OUT/chat-bodies.tsv
-  python3 - "$SHAREGPT" "$CHAT_BODIES" <<'PYEOF' || die "could not write the chat requests"
-import gzip, json, sys
-src, dst = sys.argv[1], sys.argv[2]
-convs = [json.loads(line) for line in gzip.open(src, "rt")][2000:]
-turns = []  # per conversation: the message lists ending at each human turn
-for c in convs:
-    msgs, mine = [], []
-    for m in c["conversations"]:
-        msgs.append({"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]})
-        if m["from"] == "human":
-            mine.append(list(msgs))
-    turns.append(mine)
-lines, size = [], 0
-for k in range(max(len(t) for t in turns)):
-    for t in turns:
-        if k < len(t):
-            body = '"messages":' + json.dumps(t[k], ensure_ascii=False)
-            if len(body.encode()) <= 16384:
-                cut = len(body) - 3  # before the closing `"}]`
-                assert body[cut:] == '"}]'
-                lines.append(body[:cut] + "\t" + body[cut:])
-                size += len(body.encode())
-with open(dst, "w") as f:
-    f.write("\n".join(lines) + "\n")
-print(f"{len(lines)} chat requests, mean {size / len(lines):,.0f} bytes of messages", file=sys.stderr)
-PYEOF
+  python3 "$HERE/lib/chat_bodies.py" "$SHAREGPT" "$CHAT_BODIES" || die "could not write the chat requests"
 fi
 
 # utime+stime (clock ticks) of a process and its descendants

@@ -1,0 +1,40 @@
+"""chat_bodies.py - the chat workload of scripts/router-latency.sh and router-instructions.sh.
+
+usage: python3 chat_bodies.py SHAREGPT_JSONL_GZ OUT_TSV [MAX_CONVERSATIONS]
+
+The last 1,000 conversations of ../shared's ShareGPT sample (the trace benchmarks read from its
+start), each human turn with its whole history as one chat request, bodies up to 16 kB, taken
+in turn order across conversations as a live service sees them (every first turn, then every
+second turn, ...). MAX_CONVERSATIONS keeps only the first that many of those conversations.
+One request per line, `HEAD<TAB>TAIL`: HEAD is the JSON of `"messages":[...` cut inside the
+last message's content string and TAIL closes it, so that a client can put a unique tag where
+the cut is (see scripts/router-latency.lua).
+"""
+import gzip
+import json
+import sys
+
+src, dst = sys.argv[1], sys.argv[2]
+limit = int(sys.argv[3]) if len(sys.argv) > 3 else None
+convs = [json.loads(line) for line in gzip.open(src, "rt")][2000:][:limit]
+turns = []  # per conversation: the message lists ending at each human turn
+for c in convs:
+    msgs, mine = [], []
+    for m in c["conversations"]:
+        msgs.append({"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]})
+        if m["from"] == "human":
+            mine.append(list(msgs))
+    turns.append(mine)
+lines, size = [], 0
+for k in range(max(len(t) for t in turns)):
+    for t in turns:
+        if k < len(t):
+            body = '"messages":' + json.dumps(t[k], ensure_ascii=False)
+            if len(body.encode()) <= 16384:
+                cut = len(body) - 3  # before the closing `"}]`
+                assert body[cut:] == '"}]'
+                lines.append(body[:cut] + "\t" + body[cut:])
+                size += len(body.encode())
+with open(dst, "w") as f:
+    f.write("\n".join(lines) + "\n")
+print(f"{len(lines)} chat requests, mean {size / len(lines):,.0f} bytes of messages", file=sys.stderr)
