@@ -16,6 +16,7 @@
 //! routing time is only a race between requests, and then all stay candidates. With no limit
 //! configured none of this costs more than a comparison.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,7 +26,7 @@ use kinference_policy::Shadow;
 use kinference_policy::{Applied, Candidate, Decision, RequestCtx};
 use kinference_tokenize::{ChatRequest, CompletionRequest, TokenizeError};
 use kinference_vllm::BlockHash;
-use kinference_vllm::{Lora, RequestExtras};
+use kinference_vllm::{HashMemo, Lora, RequestExtras};
 use serde::Deserialize;
 
 use crate::api::{CandidateScore, ExplainResponse, Health};
@@ -218,12 +219,17 @@ fn hash(
         cache_salt,
         ..RequestExtras::default()
     };
-    rules
-        .hasher
-        .hash_blocks(tokens, &extras)
-        .iter()
-        .map(|d| d.event_hash())
-        .collect()
+    let digests = HASH_MEMO.with(|memo| match memo.try_borrow_mut() {
+        Ok(mut memo) => rules.hasher.hash_blocks_memo(tokens, &extras, &mut memo),
+        Err(_) => rules.hasher.hash_blocks(tokens, &extras),
+    });
+    digests.iter().map(|d| d.event_hash()).collect()
+}
+
+thread_local! {
+    /// Block digests of the prefixes this thread hashed lately (a fixed ~5 MiB): a request
+    /// stays on its data-plane thread, and shared prefixes come back request after request.
+    static HASH_MEMO: RefCell<HashMemo> = RefCell::new(HashMemo::default());
 }
 
 /// One replica (and DP rank) to try.

@@ -12,6 +12,7 @@
 
 mod cbor;
 mod keys;
+mod memo;
 mod pickle;
 
 use std::cell::RefCell;
@@ -22,6 +23,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::events::{ExtraKeyItem, HashValue};
 use crate::ids::BlockHash;
+pub use memo::{HashMemo, DEFAULT_MEMO_SLOTS};
 use pickle::{Memo, Pickler, Shared};
 
 /// The seed vLLM 0.34 uses for the sha256 variants when `PYTHONHASHSEED` is unset.
@@ -201,7 +203,7 @@ pub enum EventHashForm {
 }
 
 /// A full block digest: 32 bytes (SHA-256) or 16 bytes (XXH3-128). `Copy`, no allocation.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct BlockDigest {
     bytes: [u8; 32],
     len: u8,
@@ -466,6 +468,40 @@ impl BlockHasher {
                 let digest = self.algo.digest(&s.buf);
                 out.push(digest);
                 parent = Some(digest);
+            }
+        });
+        out
+    }
+
+    /// [`BlockHasher::hash_blocks`] through `memo`: blocks without extra keys whose (parent,
+    /// tokens) the memo holds are not serialised and digested again, and the ones computed
+    /// are put in it. The result equals `hash_blocks`'s (see [`HashMemo`]).
+    pub fn hash_blocks_memo(
+        &self,
+        tokens: &[u32],
+        extras: &RequestExtras,
+        memo: &mut HashMemo,
+    ) -> Vec<BlockDigest> {
+        let mut out = Vec::with_capacity(tokens.len() / self.block_size);
+        let mut parent = self.none_hash;
+        let no_keys = extras.is_empty();
+        with_scratch(|s| {
+            for (index, block) in tokens.chunks_exact(self.block_size).enumerate() {
+                let plain =
+                    no_keys || keys::count(extras, self.format, index, self.block_size) == 0;
+                let digest = match plain.then(|| memo.get(self.algo, &parent, block)).flatten() {
+                    Some(d) => d,
+                    None => {
+                        self.block_input(Some(&parent), block, index, extras, s);
+                        let d = self.algo.digest(&s.buf);
+                        if plain {
+                            memo.put(self.algo, &parent, block, d);
+                        }
+                        d
+                    }
+                };
+                out.push(digest);
+                parent = digest;
             }
         });
         out

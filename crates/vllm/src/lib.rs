@@ -19,7 +19,7 @@ pub use events::{
     BlockRemoved, BlockStored, ExtraKeyItem, HashValue, KvEvent, KvEventBatch, MapHeader,
 };
 pub use hashing::{
-    BlockDigest, BlockHasher, EventHashForm, ExtraKeysFormat, HashAlgo, HashError, Lora, MmItem,
-    RequestExtras,
+    BlockDigest, BlockHasher, EventHashForm, ExtraKeysFormat, HashAlgo, HashError, HashMemo, Lora,
+    MmItem, RequestExtras, DEFAULT_MEMO_SLOTS,
 };
 pub use ids::{BlockHash, DpRank, GroupIdx, Tier};

@@ -324,6 +324,48 @@ fn incremental_hashing_equals_whole_sequence() {
     }
 }
 
+/// Through a memo (a small one, and a one-slot one overwritten all the time, both shared by hashers of
+/// every algorithm, two seeds and several block sizes) hashing equals hashing without one, on
+/// prompts that share prefixes, with and without extra keys.
+#[test]
+fn memoized_hashing_equals_plain_hashing() {
+    let mut rng = ChaCha8Rng::seed_from_u64(0x6d656d6f);
+    let mut memo = HashMemo::with_slots(4096);
+    let mut tiny = HashMemo::with_slots(1);
+    let roots: Vec<Vec<u32>> = (0..5)
+        .map(|_| (0..96).map(|_| rng.gen_range(0..50)).collect())
+        .collect();
+    for round in 0..3000 {
+        let algo = HashAlgo::ALL[rng.gen_range(0..4)];
+        let block_size = [1, 2, 4, 16][rng.gen_range(0..4)];
+        let seed = ["7", "8"][rng.gen_range(0..2)];
+        let h = BlockHasher::new(algo, block_size, Some(seed), ExtraKeysFormat::Tagged).unwrap();
+        let mut tokens = roots[rng.gen_range(0..roots.len())].clone();
+        tokens.truncate(rng.gen_range(0..=tokens.len()));
+        // Small alphabets make equal blocks under different parents common.
+        let extra = rng.gen_range(0..40);
+        tokens.extend((0..extra).map(|_| rng.gen_range(0..3)));
+        let extras = if rng.gen_bool(0.2) {
+            random_extras(&mut rng, tokens.len())
+        } else {
+            RequestExtras::default()
+        };
+        let want = h.hash_blocks(&tokens, &extras);
+        assert_eq!(
+            h.hash_blocks_memo(&tokens, &extras, &mut memo),
+            want,
+            "round {round}"
+        );
+        assert_eq!(
+            h.hash_blocks_memo(&tokens, &extras, &mut tiny),
+            want,
+            "round {round}"
+        );
+    }
+    let (hits, misses) = memo.stats();
+    assert!(hits > 1000 && misses > 1000, "{hits} hits, {misses} misses");
+}
+
 #[test]
 fn extras_change_hashes_only_where_they_apply() {
     let h = sha256(16);
