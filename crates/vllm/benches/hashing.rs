@@ -1,7 +1,7 @@
 //! Cost of hashing a prompt's blocks: a 4,096-token prompt (256 blocks of 16) with each
 //! algorithm, computed outright and through a warm [`HashMemo`] (the prompt hashed before, as a
-//! shared prefix is on a router), and a prompt whose last 6 blocks are new (a shared prefix
-//! with a request's own tail).
+//! shared prefix is on a router), a prompt whose last 6 blocks are new (a shared prefix with a
+//! request's own tail), and prompts that share nothing (every lookup misses).
 
 use std::hint::black_box;
 
@@ -39,6 +39,17 @@ fn bench_hash(c: &mut Criterion) {
                 })
             },
         );
+        // Every block new: what a memo costs on traffic that shares nothing (lookups that
+        // miss in a memo the size of the data plane's, then puts).
+        let mut m = 0u32;
+        group.bench_function(BenchmarkId::new("memo_all_new", algo.as_str()), |b| {
+            let mut t = tokens.clone();
+            b.iter(|| {
+                m = m.wrapping_add(1);
+                t[0] = m;
+                black_box(h.hash_blocks_memo(black_box(&t), &extras, &mut memo))
+            })
+        });
     }
     group.finish();
 }

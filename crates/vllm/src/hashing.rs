@@ -23,7 +23,7 @@ use sha2::{Digest as _, Sha256};
 
 use crate::events::{ExtraKeyItem, HashValue};
 use crate::ids::BlockHash;
-pub use memo::{HashMemo, DEFAULT_MEMO_SLOTS};
+pub use memo::{HashMemo, DEFAULT_MEMO_SLOTS, MEMO_MAX_BLOCK_TOKENS};
 use pickle::{Memo, Pickler, Shared};
 
 /// The seed vLLM 0.34 uses for the sha256 variants when `PYTHONHASHSEED` is unset.

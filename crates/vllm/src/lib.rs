@@ -20,6 +20,6 @@ pub use events::{
 };
 pub use hashing::{
     BlockDigest, BlockHasher, EventHashForm, ExtraKeysFormat, HashAlgo, HashError, HashMemo, Lora,
-    MmItem, RequestExtras, DEFAULT_MEMO_SLOTS,
+    MmItem, RequestExtras, DEFAULT_MEMO_SLOTS, MEMO_MAX_BLOCK_TOKENS,
 };
 pub use ids::{BlockHash, DpRank, GroupIdx, Tier};

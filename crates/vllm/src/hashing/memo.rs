@@ -11,9 +11,11 @@
 
 use super::{BlockDigest, HashAlgo};
 
-/// Slots of a memo made with [`HashMemo::default`]: 32,768 blocks (512k tokens at vLLM's
-/// default block size), about 4 MiB at block size 16.
-pub const DEFAULT_MEMO_SLOTS: usize = 1 << 15;
+/// Slots of a memo made with [`HashMemo::default`]: 8,192 blocks (128k tokens at vLLM's
+/// default block size), 1.1 MiB. Small on purpose: a memo that does not fit in the CPU's
+/// caches costs a memory access per block on traffic that shares nothing, about what
+/// digesting the block costs (`benches/hashing.rs`, `memo_all_new`).
+pub const DEFAULT_MEMO_SLOTS: usize = 1 << 13;
 
 /// Block digests by (algorithm, parent digest, block tokens). Not shared: keep one per thread.
 #[derive(Debug, Clone)]
@@ -24,13 +26,24 @@ pub struct HashMemo {
     misses: u64,
 }
 
+/// Blocks of at most this many tokens are memoized (vLLM's default block size is 16); the
+/// tokens live in the slot, so a lookup or a put touches one place in memory.
+pub const MEMO_MAX_BLOCK_TOKENS: usize = 16;
+
 #[derive(Debug, Clone, Default)]
 struct Slot {
     /// `None` while the slot is empty.
     algo: Option<HashAlgo>,
+    len: u8,
     parent: BlockDigest,
     digest: BlockDigest,
-    tokens: Box<[u32]>,
+    tokens: [u32; MEMO_MAX_BLOCK_TOKENS],
+}
+
+impl Slot {
+    fn tokens(&self) -> &[u32] {
+        &self.tokens[..usize::from(self.len)]
+    }
 }
 
 impl Default for HashMemo {
@@ -82,8 +95,11 @@ impl HashMemo {
         parent: &BlockDigest,
         tokens: &[u32],
     ) -> Option<BlockDigest> {
+        if tokens.len() > MEMO_MAX_BLOCK_TOKENS {
+            return None;
+        }
         let slot = &self.slots[self.index(parent, tokens)];
-        if slot.algo == Some(algo) && slot.parent == *parent && *slot.tokens == *tokens {
+        if slot.algo == Some(algo) && slot.parent == *parent && slot.tokens() == tokens {
             self.hits += 1;
             Some(slot.digest)
         } else {
@@ -99,15 +115,15 @@ impl HashMemo {
         tokens: &[u32],
         digest: BlockDigest,
     ) {
+        if tokens.len() > MEMO_MAX_BLOCK_TOKENS {
+            return;
+        }
         let i = self.index(parent, tokens);
         let slot = &mut self.slots[i];
         slot.algo = Some(algo);
         slot.parent = *parent;
         slot.digest = digest;
-        if slot.tokens.len() == tokens.len() {
-            slot.tokens.copy_from_slice(tokens);
-        } else {
-            slot.tokens = tokens.into();
-        }
+        slot.len = tokens.len() as u8;
+        slot.tokens[..tokens.len()].copy_from_slice(tokens);
     }
 }

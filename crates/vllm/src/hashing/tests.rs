@@ -337,7 +337,7 @@ fn memoized_hashing_equals_plain_hashing() {
         .collect();
     for round in 0..3000 {
         let algo = HashAlgo::ALL[rng.gen_range(0..4)];
-        let block_size = [1, 2, 4, 16][rng.gen_range(0..4)];
+        let block_size = [1, 2, 4, 16, 32][rng.gen_range(0..5)];
         let seed = ["7", "8"][rng.gen_range(0..2)];
         let h = BlockHasher::new(algo, block_size, Some(seed), ExtraKeysFormat::Tagged).unwrap();
         let mut tokens = roots[rng.gen_range(0..roots.len())].clone();
