@@ -485,11 +485,24 @@ impl BlockHasher {
         let mut out = Vec::with_capacity(tokens.len() / self.block_size);
         let mut parent = self.none_hash;
         let no_keys = extras.is_empty();
+        // Two misses in a row: the chain has left what the memo holds (a later block's parent
+        // is a digest it has not seen), so the rest is not looked up: a lookup that misses
+        // costs a cache line from memory, about what digesting the block costs. One miss
+        // alone may be a slot taken by another block.
+        let mut misses_in_a_row = 0;
         with_scratch(|s| {
             for (index, block) in tokens.chunks_exact(self.block_size).enumerate() {
                 let plain =
                     no_keys || keys::count(extras, self.format, index, self.block_size) == 0;
-                let digest = match plain.then(|| memo.get(self.algo, &parent, block)).flatten() {
+                let found = (plain && misses_in_a_row < 2)
+                    .then(|| memo.get(self.algo, &parent, block))
+                    .flatten();
+                misses_in_a_row = if found.is_some() {
+                    0
+                } else {
+                    misses_in_a_row + 1
+                };
+                let digest = match found {
                     Some(d) => d,
                     None => {
                         self.block_input(Some(&parent), block, index, extras, s);
