@@ -22,7 +22,7 @@ use minijinja::Value;
 use crate::content_format::ContentFormat;
 use crate::error::{Result, TokenizeError};
 use crate::request::{ChatMessage, ChatRequest, MessageContent};
-use crate::value::json_to_value;
+use crate::value::{json_to_value, SmallMap};
 
 /// transformers' marker for `continue_final_message`.
 pub(crate) const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
@@ -184,15 +184,14 @@ impl Message<'_> {
             Content::Text(s) => Value::from(s.as_ref()),
             Content::Json(v) => json_to_value(v),
         };
-        let head = [
-            (Value::from("role"), Value::from(self.role.as_ref())),
-            (Value::from("content"), content),
-        ];
-        let rest = self
-            .rest
-            .iter()
-            .map(|(k, v)| (Value::from(k.as_str()), json_to_value(v)));
-        Value::from_pairs(head.into_iter().chain(rest))
+        let mut pairs = Vec::with_capacity(2 + self.rest.len());
+        pairs.push((Value::from("role"), Value::from(self.role.as_ref())));
+        pairs.push((Value::from("content"), content));
+        // Distinct keys, as SmallMap needs: `rest` is a map and never holds role or content.
+        for (k, v) in &self.rest {
+            pairs.push((Value::from(k.as_str()), json_to_value(v)));
+        }
+        SmallMap::value(pairs)
     }
 }
 
