@@ -90,23 +90,30 @@ pub(crate) fn build(
     };
     let kwargs = merge_kwargs(req, tools, default_kwargs)?;
 
+    // Later values replace earlier ones in the earlier one's place, as in a Python dict (and as
+    // `Value::from_pairs` did): request kwargs override special tokens.
     let mut ctx: Vec<(Value, Value)> = Vec::with_capacity(special_tokens.len() + kwargs.len() + 4);
+    let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key.as_str() == Some(k))
+    {
+        Some(slot) => slot.1 = v,
+        None => ctx.push((Value::from(k), v)),
+    };
     for (k, v) in special_tokens.iter().chain(kwargs.iter()) {
         if !APPLY_PARAMS.contains(&k.as_str()) {
-            ctx.push((Value::from(k.as_str()), json_to_value(v)));
+            set(k, json_to_value(v));
         }
     }
     let get = |k: &str| kwargs.get(k).map(json_to_value).unwrap_or(Value::from(()));
-    ctx.push((Value::from("tools"), get("tools")));
-    ctx.push((Value::from("documents"), get("documents")));
-    ctx.push((
-        Value::from("add_generation_prompt"),
+    set("tools", get("tools"));
+    set("documents", get("documents"));
+    set(
+        "add_generation_prompt",
         Value::from(req.add_generation_prompt),
-    ));
+    );
     let msgs: Vec<Value> = messages.iter().map(Message::to_value).collect();
-    ctx.push((Value::from("messages"), Value::from(msgs)));
+    set("messages", Value::from(msgs));
     Ok(RenderContext {
-        ctx: Value::from_pairs(ctx),
+        ctx: SmallMap::value(ctx),
         continue_text,
     })
 }
