@@ -14,13 +14,15 @@
 //!
 //! Messages keep vLLM's key order, since templates may print whole messages or tools.
 
+use std::borrow::Cow;
+
 use crate::json::{Json, Map};
 use minijinja::Value;
 
 use crate::content_format::ContentFormat;
 use crate::error::{Result, TokenizeError};
 use crate::request::{ChatMessage, ChatRequest, MessageContent};
-use crate::value::{json_to_value, map_to_value};
+use crate::value::{json_to_value, SmallMap};
 
 /// transformers' marker for `continue_final_message`.
 pub(crate) const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
@@ -88,23 +90,30 @@ pub(crate) fn build(
     };
     let kwargs = merge_kwargs(req, tools, default_kwargs)?;
 
+    // Later values replace earlier ones in the earlier one's place, as in a Python dict (and as
+    // `Value::from_pairs` did): request kwargs override special tokens.
     let mut ctx: Vec<(Value, Value)> = Vec::with_capacity(special_tokens.len() + kwargs.len() + 4);
+    let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key.as_str() == Some(k))
+    {
+        Some(slot) => slot.1 = v,
+        None => ctx.push((Value::from(k), v)),
+    };
     for (k, v) in special_tokens.iter().chain(kwargs.iter()) {
         if !APPLY_PARAMS.contains(&k.as_str()) {
-            ctx.push((Value::from(k.as_str()), json_to_value(v)));
+            set(k, json_to_value(v));
         }
     }
     let get = |k: &str| kwargs.get(k).map(json_to_value).unwrap_or(Value::from(()));
-    ctx.push((Value::from("tools"), get("tools")));
-    ctx.push((Value::from("documents"), get("documents")));
-    ctx.push((
-        Value::from("add_generation_prompt"),
+    set("tools", get("tools"));
+    set("documents", get("documents"));
+    set(
+        "add_generation_prompt",
         Value::from(req.add_generation_prompt),
-    ));
-    let msgs: Vec<Value> = messages.iter().map(map_to_value).collect();
-    ctx.push((Value::from("messages"), Value::from(msgs)));
+    );
+    let msgs: Vec<Value> = messages.iter().map(Message::to_value).collect();
+    set("messages", Value::from(msgs));
     Ok(RenderContext {
-        ctx: Value::from_pairs(ctx),
+        ctx: SmallMap::value(ctx),
         continue_text,
     })
 }
@@ -148,25 +157,71 @@ fn validate(req: &ChatRequest) -> Result<()> {
     Ok(())
 }
 
-fn role(m: &Map) -> &str {
-    m.get("role").and_then(Json::as_str).unwrap_or_default()
+/// One normalized message: the dict vLLM passes to the template, whose keys are always `role`,
+/// `content`, then the role's other fields. Role and content borrow the request's text where
+/// vLLM passes it unchanged (nearly always), so the one copy of a message's text is the one
+/// into its template value.
+#[derive(Debug)]
+struct Message<'a> {
+    role: Cow<'a, str>,
+    content: Content<'a>,
+    /// The keys after `content`, in order.
+    rest: Map,
+}
+
+#[derive(Debug)]
+enum Content<'a> {
+    Text(Cow<'a, str>),
+    /// Anything but a string (a list of parts).
+    Json(Json),
+}
+
+impl Content<'_> {
+    fn from_json(v: Json) -> Self {
+        match v {
+            Json::String(s) => Content::Text(Cow::Owned(s)),
+            other => Content::Json(other),
+        }
+    }
+}
+
+impl Message<'_> {
+    fn to_value(&self) -> Value {
+        let content = match &self.content {
+            Content::Text(s) => Value::from(s.as_ref()),
+            Content::Json(v) => json_to_value(v),
+        };
+        let mut pairs = Vec::with_capacity(2 + self.rest.len());
+        pairs.push((Value::from("role"), Value::from(self.role.as_ref())));
+        pairs.push((Value::from("content"), content));
+        // Distinct keys, as SmallMap needs: `rest` is a map and never holds role or content.
+        for (k, v) in &self.rest {
+            pairs.push((Value::from(k.as_str()), json_to_value(v)));
+        }
+        SmallMap::value(pairs)
+    }
+}
+
+fn role<'m>(m: &'m Message<'_>) -> &'m str {
+    &m.role
 }
 
 /// One message as vLLM's `_parse_chat_message_content` + `_postprocess_messages` leave it.
-fn normalize_message(m: &ChatMessage, format: ContentFormat) -> Result<Map> {
-    let mut out = Map::new();
-    out.insert("role".into(), Json::String(m.role.clone()));
-    match &m.content {
-        // The common case, without building a parts list: one copy of the text.
+fn normalize_message(m: &ChatMessage, format: ContentFormat) -> Result<Message<'_>> {
+    let content = match &m.content {
+        // The common case, without building a parts list.
         Some(MessageContent::Text(s))
             if format == ContentFormat::String && !s.starts_with(BILLING_HEADER) =>
         {
-            out.insert("content".into(), Json::String(s.clone()));
+            Content::Text(Cow::Borrowed(s))
         }
-        _ => {
-            out.insert("content".into(), content_value(&message_parts(m), format)?);
-        }
-    }
+        _ => Content::from_json(content_value(&message_parts(m), format)?),
+    };
+    let out = Message {
+        role: Cow::Borrowed(&m.role),
+        content,
+        rest: Map::new(),
+    };
     add_role_fields(m, out)
 }
 
@@ -183,22 +238,23 @@ fn message_parts(m: &ChatMessage) -> Vec<Json> {
 }
 
 /// The fields besides role and content that vLLM keeps, per role.
-fn add_role_fields(m: &ChatMessage, mut out: Map) -> Result<Map> {
+fn add_role_fields<'a>(m: &ChatMessage, mut out: Message<'a>) -> Result<Message<'a>> {
     if m.role == "assistant" {
         if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_null()) {
             if let Some(calls) = normalize_tool_calls(calls)? {
-                out.insert("tool_calls".into(), calls);
+                out.rest.insert("tool_calls".into(), calls);
             }
         }
         if let Some(r) = &m.reasoning {
-            out.insert("reasoning".into(), Json::String(r.clone()));
-            out.insert("reasoning_content".into(), Json::String(r.clone()));
+            out.rest.insert("reasoning".into(), Json::String(r.clone()));
+            out.rest
+                .insert("reasoning_content".into(), Json::String(r.clone()));
         }
     } else if m.role == "tool" {
         if let Some(id) = &m.tool_call_id {
-            out.insert("tool_call_id".into(), id.clone());
+            out.rest.insert("tool_call_id".into(), id.clone());
         }
-        if let Some(Json::Array(items)) = out.get("content") {
+        if let Content::Json(Json::Array(items)) = &out.content {
             let all_text = items
                 .iter()
                 .all(|i| i.get("type").and_then(Json::as_str) == Some("text"));
@@ -207,18 +263,19 @@ fn add_role_fields(m: &ChatMessage, mut out: Map) -> Result<Map> {
                     .iter()
                     .map(|i| i.get("text").and_then(Json::as_str).unwrap_or(""))
                     .collect();
-                out.insert("content".into(), Json::String(texts.join("\n")));
+                out.content = Content::Text(Cow::Owned(texts.join("\n")));
             }
         }
     }
     if let Some(Json::String(name)) = &m.name {
-        out.insert("name".into(), Json::String(name.clone()));
+        out.rest.insert("name".into(), Json::String(name.clone()));
     }
     if let Some(Json::String(task)) = &m.task {
-        out.insert("task".into(), Json::String(task.clone()));
+        out.rest.insert("task".into(), Json::String(task.clone()));
     }
     if m.role == "developer" {
-        out.insert("tools".into(), m.tools.clone().unwrap_or(Json::Null));
+        out.rest
+            .insert("tools".into(), m.tools.clone().unwrap_or(Json::Null));
     }
     Ok(out)
 }
@@ -392,13 +449,13 @@ fn normalize_tool_calls(calls: &Json) -> Result<Option<Json>> {
     Ok(Some(Json::Array(out)))
 }
 
-fn developer_to_system(messages: Vec<Map>) -> Vec<Map> {
+fn developer_to_system(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
     messages
         .into_iter()
         .map(|mut m| {
             if role(&m) == "developer" {
-                m.insert("role".into(), Json::String("system".into()));
-                m.shift_remove("tools");
+                m.role = Cow::Borrowed("system");
+                m.rest.shift_remove("tools");
             }
             m
         })
@@ -407,21 +464,19 @@ fn developer_to_system(messages: Vec<Map>) -> Vec<Map> {
 
 /// `_consolidate_system_messages`: all system messages merged into one leading message when any
 /// is not first or there are several.
-fn consolidate_system(messages: Vec<Map>) -> Vec<Map> {
+fn consolidate_system(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
     let mut contents: Vec<String> = Vec::new();
-    let mut others = Vec::new();
     let mut needed = false;
     for (i, m) in messages.iter().enumerate() {
         if role(m) != "system" {
-            others.push(m.clone());
             continue;
         }
         if i > 0 || !contents.is_empty() {
             needed = true;
         }
-        let text = match m.get("content") {
-            Some(Json::String(s)) => s.clone(),
-            Some(Json::Array(parts)) => parts
+        let text = match &m.content {
+            Content::Text(s) => s.to_string(),
+            Content::Json(Json::Array(parts)) => parts
                 .iter()
                 .filter_map(|p| match p {
                     Json::String(s) => Some(s.as_str()),
@@ -439,27 +494,30 @@ fn consolidate_system(messages: Vec<Map>) -> Vec<Map> {
     if !needed {
         return messages;
     }
-    let mut merged = Map::new();
-    merged.insert("role".into(), Json::String("system".into()));
-    merged.insert("content".into(), Json::String(contents.join("\n\n")));
+    let merged = Message {
+        role: Cow::Borrowed("system"),
+        content: Content::Text(Cow::Owned(contents.join("\n\n"))),
+        rest: Map::new(),
+    };
+    let others = messages.into_iter().filter(|m| role(m) != "system");
     std::iter::once(merged).chain(others).collect()
 }
 
 /// Appends transformers' continuation tag to the final message; returns its original text.
-fn mark_final(messages: &mut [Map]) -> Result<String> {
+fn mark_final(messages: &mut [Message<'_>]) -> Result<String> {
     let no_content = || {
         invalid(
             "continue_final_message is set but the final message has no \"content\" to continue!",
         )
     };
     let last = messages.last_mut().ok_or_else(no_content)?;
-    match last.get_mut("content") {
-        Some(Json::String(s)) => {
-            let orig = s.clone();
-            s.push_str(CONTINUE_TAG);
+    match &mut last.content {
+        Content::Text(s) => {
+            let orig = s.to_string();
+            s.to_mut().push_str(CONTINUE_TAG);
             Ok(orig)
         }
-        Some(Json::Array(parts)) => {
+        Content::Json(Json::Array(parts)) => {
             for part in parts.iter_mut().rev() {
                 if let Some(Json::String(t)) = part.get_mut("text") {
                     let orig = t.clone();

@@ -3,7 +3,10 @@
 //! `/tokenize` with `prompt`). Every other field is ignored. Parsing never panics: bad JSON or a
 //! wrong shape is a [`TokenizeError::InvalidRequest`].
 
+use std::fmt;
+
 use crate::json::{Json, Map};
+use serde::de::{Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use crate::error::{Result, TokenizeError};
@@ -77,13 +80,47 @@ pub struct ChatMessage {
 }
 
 /// Message content as sent.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone)]
 pub enum MessageContent {
     /// Plain text.
     Text(String),
     /// Content parts (`{"type": "text", "text": ...}`, ...), kept as JSON.
     Parts(Vec<Json>),
+}
+
+/// What `#[serde(untagged)]` accepted (a string, or an array of any JSON values), read in one
+/// pass: untagged buffered every content into serde's generic `Content` first and copied the text
+/// out of it again, and contents are most of a chat request's bytes.
+impl<'de> Deserialize<'de> for MessageContent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct ContentVisitor;
+
+        impl<'de> Visitor<'de> for ContentVisitor {
+            type Value = MessageContent;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a string or a list of content parts")
+            }
+            fn visit_str<E>(self, v: &str) -> std::result::Result<MessageContent, E> {
+                Ok(MessageContent::Text(v.to_string()))
+            }
+            fn visit_string<E>(self, v: String) -> std::result::Result<MessageContent, E> {
+                Ok(MessageContent::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<MessageContent, A::Error> {
+                let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+                while let Some(part) = seq.next_element::<Json>()? {
+                    parts.push(part);
+                }
+                Ok(MessageContent::Parts(parts))
+            }
+        }
+
+        d.deserialize_any(ContentVisitor)
+    }
 }
 
 impl ChatRequest {
@@ -153,5 +190,52 @@ impl CompletionRequest {
     /// Parses a request body.
     pub fn from_json(body: &[u8]) -> Result<Self> {
         serde_json::from_slice(body).map_err(|e| TokenizeError::InvalidRequest(e.to_string()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn content(json: &str) -> Result<Option<MessageContent>> {
+        let body = format!(r#"{{"messages": [{{"role": "user"{json}}}]}}"#);
+        let mut req = ChatRequest::from_json(body.as_bytes())?;
+        Ok(req.messages.pop().and_then(|m| m.content))
+    }
+
+    #[test]
+    fn content_is_a_string_a_list_or_nothing() {
+        let text = |c| match c {
+            Ok(Some(MessageContent::Text(t))) => Some(t),
+            _ => None,
+        };
+        assert_eq!(
+            text(content(r#", "content": "plain""#)).as_deref(),
+            Some("plain")
+        );
+        assert_eq!(
+            text(content(r#", "content": "a\n\"b\"\u00e9\ud83d\ude00""#)).as_deref(),
+            Some("a\n\"b\"é😀")
+        );
+        match content(r#", "content": ["s", {"type": "text", "text": "t"}, 1, null]"#) {
+            Ok(Some(MessageContent::Parts(p))) => assert_eq!(
+                Json::Array(p).to_string(),
+                r#"["s",{"type":"text","text":"t"},1,null]"#
+            ),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            content(r#", "content": []"#),
+            Ok(Some(MessageContent::Parts(p))) if p.is_empty()
+        ));
+        assert!(matches!(content(r#", "content": null"#), Ok(None)));
+        assert!(matches!(content(""), Ok(None)));
+        for bad in ["1", "true", "{}", r#"{"type": "text"}"#, r#"["unclosed"#] {
+            let got = content(&format!(r#", "content": {bad}"#));
+            assert!(
+                matches!(got, Err(TokenizeError::InvalidRequest(_))),
+                "{bad}: {got:?}"
+            );
+        }
     }
 }

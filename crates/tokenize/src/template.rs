@@ -37,10 +37,18 @@ impl ChatTemplate {
         env.set_syntax(syntax);
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
         env.set_auto_escape_callback(|_| AutoEscape::None);
-        env.set_formatter(|out, _state, value| {
-            let mut s = String::new();
-            py_str(value, &mut s)?;
-            out.write_str(&s).map_err(Error::from)
+        env.set_formatter(|out, _state, value| match value.kind() {
+            // What `py_str` does for these, without its temporary copy: message contents are
+            // most of what templates print.
+            ValueKind::String => out
+                .write_str(value.as_str().unwrap_or_default())
+                .map_err(Error::from),
+            ValueKind::Undefined => Ok(()),
+            _ => {
+                let mut s = String::new();
+                py_str(value, &mut s)?;
+                out.write_str(&s).map_err(Error::from)
+            }
         });
         env.set_unknown_method_callback(py_methods);
         env.add_filter("tojson", tojson);
@@ -219,9 +227,26 @@ fn tojson(value: &Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Err
 
 /// jinja2's `trim`: Python's `str.strip(chars)`.
 fn py_trim_filter(value: &Value, chars: Option<Value>) -> Result<Value, Error> {
+    if value.kind() == ValueKind::String {
+        let s = value.as_str().unwrap_or_default();
+        return Ok(stripped(value, py_strip(s, chars.as_ref(), true, true)?));
+    }
     let mut s = String::new();
     py_str(value, &mut s)?;
     Ok(Value::from(py_strip(&s, chars.as_ref(), true, true)?))
+}
+
+/// The result of stripping the string `value` to `part` (a slice of it). When nothing was
+/// stripped (the usual case for message contents) the value is shared instead of copied; a safe
+/// string is still copied, since the result has always been a plain string.
+fn stripped(value: &Value, part: &str) -> Value {
+    let whole =
+        value.kind() == ValueKind::String && value.as_str().is_some_and(|s| s.len() == part.len());
+    if whole && !value.is_safe() {
+        value.clone()
+    } else {
+        Value::from(part)
+    }
 }
 
 fn py_strip<'a>(
@@ -296,7 +321,7 @@ fn py_methods(
             "strip" | "lstrip" | "rstrip" => {
                 let (chars,): (Option<Value>,) = from_args(args)?;
                 let (l, r) = (method != "rstrip", method != "lstrip");
-                return Ok(Value::from(py_strip(s, chars.as_ref(), l, r)?));
+                return Ok(stripped(value, py_strip(s, chars.as_ref(), l, r)?));
             }
             "split" => {
                 let (sep, maxsplit): (Option<Value>, Option<i64>) = from_args(args)?;
@@ -357,6 +382,36 @@ mod tests {
         )
         .unwrap();
         assert_eq!(out, "True|None|{'k': [1, 2.0]}|0.5|a  b|['a', 'b']|y|a  b");
+    }
+
+    #[test]
+    fn printed_values_are_pythons_str() {
+        let long = "a message longer than a small string, printed as it is \u{e9}";
+        let out = render(
+            "{{ s }}|{{ long }}|{{ n }}|{{ f }}|{{ none }}|{{ missing }}|{{ m.missing }}|{{ t }}|{{ no }}|{{ l }}|{{ m }}|{{ s | safe }}|{{ 'a' ~ 1 }}|{{ 1.0 / 4 }}",
+            serde_json::json!({
+                "s": "it's", "long": long, "n": -7, "f": 2.0, "none": null, "t": true,
+                "no": false, "l": ["x", 1, null, [true]], "m": {"k": "v"},
+            }),
+        )
+        .unwrap();
+        assert_eq!(
+            out,
+            format!("it's|{long}|-7|2.0|None|||True|False|['x', 1, None, [True]]|{{'k': 'v'}}|it's|a1|0.25")
+        );
+    }
+
+    #[test]
+    fn strip_and_trim_keep_or_cut_the_text() {
+        let long = "a message longer than a small string, with nothing to strip";
+        let ctx = serde_json::json!({"long": long, "padded": format!("\n {long}\x1f\n"), "n": 5, "none": null});
+        let src = "{{ long | trim }}|{{ long.strip() }}|{{ long.lstrip('a') }}|{{ padded | trim }}|{{ padded.rstrip() }}|{{ padded.lstrip('\n') }}|{{ n | trim }}|{{ none | trim }}|{{ (long | trim) is string }}|{{ (long | safe | trim) == long }}|{{ long.strip() ~ '!' }}";
+        let out = render(src, ctx).unwrap();
+        let cut = &long[1..];
+        assert_eq!(
+            out,
+            format!("{long}|{long}|{cut}|{long}|\n {long}| {long}\x1f\n|5|None|True|True|{long}!")
+        );
     }
 
     #[test]

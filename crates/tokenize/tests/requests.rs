@@ -76,6 +76,38 @@ fn developer_becomes_system_unless_the_template_knows_it() {
 }
 
 #[test]
+fn developer_messages_lose_their_tools_and_merge_with_system_ones() {
+    let dump = dumper("{{ messages | tojson }}");
+    let out = render(&dump, r#"{"messages": [
+        {"role": "developer", "content": "d", "name": "n", "tools": [{"x": 1}]}, {"role": "user", "content": "u"}]}"#)
+    .unwrap();
+    assert_eq!(
+        out,
+        r#"[{"role": "system", "content": "d", "name": "n"}, {"role": "user", "content": "u"}]"#
+    );
+    let out = render(&dump, r#"{"messages": [
+        {"role": "system", "content": [{"type": "text", "text": "s1"}, "s2"]},
+        {"role": "developer", "content": "d", "name": "n"}, {"role": "user", "content": "u", "name": "m"}]}"#)
+    .unwrap();
+    assert_eq!(
+        out,
+        r#"[{"role": "system", "content": "s1\ns2\n\nd"}, {"role": "user", "content": "u", "name": "m"}]"#
+    );
+}
+
+#[test]
+fn continue_final_message_with_content_parts() {
+    let tok = dumper(
+        "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}",
+    );
+    let out = render(&tok, r#"{"messages": [{"role": "user", "content": "u"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Hel"}, {"type": "refusal", "refusal": "no"}]}],
+        "add_generation_prompt": false, "continue_final_message": true}"#)
+    .unwrap();
+    assert_eq!(out, "[u][Hel][no");
+}
+
+#[test]
 fn openai_content_format_templates_get_parts() {
     let tok = dumper(
         "{% for m in messages %}{% for p in m.content %}[{{ p.text }}]{% endfor %}{% endfor %}",
