@@ -24,9 +24,9 @@ use http::HeaderMap;
 #[cfg(doc)]
 use kinference_policy::Shadow;
 use kinference_policy::{Applied, Candidate, Decision, RequestCtx};
-use kinference_tokenize::{ChatRequest, CompletionRequest, TokenizeError};
+use kinference_tokenize::{ChatRequest, CompletionRequest, Reuse, TokenizeError, Tokenizer};
 use kinference_vllm::BlockHash;
-use kinference_vllm::{HashMemo, Lora, RequestExtras};
+use kinference_vllm::{BlockDigest, BlockHasher, HashAlgo, HashMemo, Lora, RequestExtras};
 use serde::Deserialize;
 
 use crate::api::{CandidateScore, ExplainResponse, Health};
@@ -142,8 +142,8 @@ pub(crate) fn prepare_looked(
         .or_else(|| pool.models.first().cloned())
         .unwrap_or_default();
     let rules = pool.rules();
-    let (tokens, tokenize_error) = match tokenize(&rules, api, body) {
-        Ok(t) => (t, None),
+    let (tokens, reuse, tokenize_error) = match tokenize(&rules, api, body) {
+        Ok((t, reuse)) => (t, reuse, None),
         Err(TokenizeError::InvalidRequest(m)) => return Err(RequestError::BadRequest(m)),
         Err(e) => {
             fleet
@@ -155,12 +155,12 @@ pub(crate) fn prepare_looked(
                 })
                 .inc();
             tracing::debug!(pool = %pool.name, kind = e.metric_label(), "routing by load only: the prompt could not be tokenized");
-            (Vec::new(), Some(e.to_string()))
+            (Vec::new(), Reuse::default(), Some(e.to_string()))
         }
     };
     let warms = rules.config.warm.mode != WarmMode::Off && !peek;
     let salt = if warms { head.cache_salt.clone() } else { None };
-    let hashes = hash(&rules, &tokens, lora, head.cache_salt);
+    let hashes = hash(&rules, &tokens, lora, head.cache_salt, &reuse);
     let warms = warms && !hashes.is_empty();
     let session = rules
         .session_header
@@ -189,18 +189,21 @@ pub(crate) fn prepare_looked(
     })
 }
 
-fn tokenize(rules: &Rules, api: Api, body: &[u8]) -> Result<Vec<u32>, TokenizeError> {
+fn tokenize(rules: &Rules, api: Api, body: &[u8]) -> Result<(Vec<u32>, Reuse), TokenizeError> {
     match api {
         Api::Chat => {
             let req = ChatRequest::from_json(body)?;
-            rules.tokenizer.encode_chat(&req)
+            rules.tokenizer.encode_chat_reuse(&req)
         }
         Api::Completions => {
             let req = CompletionRequest::from_json(body)?;
             // vLLM runs each prompt of a batch as its own request on the replica that got the
             // batch; the first prompt decides where the batch goes.
             let prompts = rules.tokenizer.encode_completion_request(&req)?;
-            Ok(prompts.into_iter().next().unwrap_or_default())
+            Ok((
+                prompts.into_iter().next().unwrap_or_default(),
+                Reuse::default(),
+            ))
         }
     }
 }
@@ -210,6 +213,7 @@ fn hash(
     tokens: &[u32],
     lora: Option<&Lora>,
     cache_salt: Option<String>,
+    reuse: &Reuse,
 ) -> Vec<BlockHash> {
     if tokens.len() < rules.hasher.block_size() {
         return Vec::new();
@@ -219,11 +223,85 @@ fn hash(
         cache_salt,
         ..RequestExtras::default()
     };
-    let digests = HASH_MEMO.with(|memo| match memo.try_borrow_mut() {
-        Ok(mut memo) => rules.hasher.hash_blocks_memo(tokens, &extras, &mut memo),
-        Err(_) => rules.hasher.hash_blocks(tokens, &extras),
-    });
+    let digests = if extras.is_empty() {
+        chain_digests(&rules.hasher, &rules.tokenizer, tokens, reuse)
+    } else {
+        memo_digests(&rules.hasher, tokens, &extras)
+    };
     digests.iter().map(|d| d.event_hash()).collect()
+}
+
+fn memo_digests(hasher: &BlockHasher, tokens: &[u32], extras: &RequestExtras) -> Vec<BlockDigest> {
+    HASH_MEMO.with(|memo| match memo.try_borrow_mut() {
+        Ok(mut memo) => hasher.hash_blocks_memo(tokens, extras, &mut memo),
+        Err(_) => hasher.hash_blocks(tokens, extras),
+    })
+}
+
+/// The digests of a prompt without extra keys, taking those of the blocks whose ids came from
+/// a prefix-cache entry from that entry ([`ChainDigests`]), and leaving the prompt's own with
+/// the entry the cache stored for it: a conversation's new turn hashes only its new blocks.
+fn chain_digests(
+    hasher: &BlockHasher,
+    tokenizer: &Tokenizer,
+    tokens: &[u32],
+    reuse: &Reuse,
+) -> Vec<BlockDigest> {
+    let bs = hasher.block_size();
+    let key = HasherKey::of(hasher);
+    let reused = reuse.from.as_ref().and_then(|(entry, ids)| {
+        let chain = entry.attached()?.downcast_ref::<ChainDigests>()?;
+        (chain.key == key).then_some((chain, *ids))
+    });
+    let extras = RequestExtras::default();
+    let digests = match reused {
+        Some((chain, ids)) if ids >= bs && !chain.digests.is_empty() => {
+            // Blocks wholly inside the reused ids have the entry's tokens and parents.
+            let k = (ids / bs).min(chain.digests.len()).min(tokens.len() / bs);
+            let mut d = chain.digests.get(..k).unwrap_or_default().to_vec();
+            let parent = d.last().copied();
+            d.extend(hasher.hash_blocks_from(parent.as_ref(), tokens, k, &extras));
+            d
+        }
+        _ => memo_digests(hasher, tokens, &extras),
+    };
+    if let Some(stored) = &reuse.stored {
+        if stored.attached().is_none() && !digests.is_empty() {
+            let bytes = digests.len() * std::mem::size_of::<BlockDigest>() + 64;
+            let chain = ChainDigests {
+                key,
+                digests: digests.clone(),
+            };
+            tokenizer.attach(stored, Box::new(chain), bytes);
+        }
+    }
+    digests
+}
+
+/// What makes two hashers give the same digests to the same blocks without extra keys: the
+/// algorithm, the block size, and NONE_HASH (which carries the seed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct HasherKey {
+    algo: HashAlgo,
+    block_size: usize,
+    none_hash: BlockDigest,
+}
+
+impl HasherKey {
+    fn of(h: &BlockHasher) -> Self {
+        HasherKey {
+            algo: h.algo(),
+            block_size: h.block_size(),
+            none_hash: *h.none_hash(),
+        }
+    }
+}
+
+/// The digests of a prefix-cache entry's ids, as one pool's hasher computes them (a tokenizer
+/// shared by pools with other hashing keeps the first one's).
+struct ChainDigests {
+    key: HasherKey,
+    digests: Vec<BlockDigest>,
 }
 
 thread_local! {
@@ -626,4 +704,74 @@ pub(crate) fn count_rejected(fleet: &Fleet, route: &'static str, err: &RequestEr
             status: status.as_u16(),
         })
         .inc();
+}
+
+#[cfg(test)]
+mod tests {
+    use kinference_tokenize::TokenizerOptions;
+    use kinference_vllm::ExtraKeysFormat;
+
+    use super::*;
+
+    /// Conversations turn by turn (a long shared system prompt, growing histories, exact
+    /// repeats, an edited earlier turn), through two hashers sharing one tokenizer, with a
+    /// prefix cache small enough to evict: the digests taken from cache entries always equal
+    /// the digests computed outright, and entries are reused.
+    #[test]
+    fn digests_kept_with_cache_entries_equal_computed_ones() {
+        let options = TokenizerOptions {
+            cache_capacity_bytes: 200_000,
+            ..TokenizerOptions::default()
+        };
+        let dir = kinference_testkit::shared("data/tokenizers/qwen3");
+        let tokenizer = Tokenizer::from_dir_with(dir, options).unwrap();
+        let hashers = [
+            BlockHasher::new(HashAlgo::Sha256, 16, None, ExtraKeysFormat::Tagged).unwrap(),
+            BlockHasher::new(HashAlgo::Sha256Cbor, 4, Some("7"), ExtraKeysFormat::Tagged).unwrap(),
+        ];
+        let system = "You are a careful assistant. ".repeat(40);
+        let mut reused_from_entries = 0;
+        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut step = |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        for conv in 0..12u64 {
+            let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
+            for turn in 0..6u64 {
+                let words = 20 + step(200);
+                let text: String = (0..words)
+                    .map(|w| format!("w{}-{} ", conv * 7 + turn, (w * 31 + step(50)) % 97))
+                    .collect();
+                messages.push(serde_json::json!({"role": "user", "content": text}));
+                if step(5) == 0 && messages.len() > 2 {
+                    // An edited earlier turn: the cached entry shares less.
+                    messages[1] =
+                        serde_json::json!({"role": "user", "content": format!("edited {turn}")});
+                }
+                let repeats = 1 + step(2);
+                for _ in 0..repeats {
+                    let body = serde_json::json!({"model": "m", "messages": messages});
+                    let req = ChatRequest::from_json(body.to_string().as_bytes()).unwrap();
+                    let (tokens, reuse) = tokenizer.encode_chat_reuse(&req).unwrap();
+                    let h = &hashers[step(2) as usize];
+                    if reuse
+                        .from
+                        .as_ref()
+                        .and_then(|(e, _)| e.attached()?.downcast_ref::<ChainDigests>())
+                        .is_some_and(|c| c.key == HasherKey::of(h))
+                    {
+                        reused_from_entries += 1;
+                    }
+                    let got = chain_digests(h, &tokenizer, &tokens, &reuse);
+                    let want = h.hash_blocks(&tokens, &RequestExtras::default());
+                    assert_eq!(got, want, "conversation {conv} turn {turn}");
+                }
+                messages.push(serde_json::json!({"role": "assistant", "content": format!("reply {turn} ").repeat(30)}));
+            }
+        }
+        assert!(reused_from_entries > 20, "{reused_from_entries}");
+    }
 }

@@ -22,11 +22,18 @@
 //! bytes (text + ids + split points) stay under the capacity, least recently used entries go
 //! first, and each index bucket keeps its most recent entries only. Thread-safe: the lock is
 //! held for index updates only, never while comparing or encoding.
+//!
+//! An entry can carry one value a caller computed from its ids ([`PrefixCache::attach`]: the
+//! router keeps the prompt's block digests there), counted against the capacity; a lookup says
+//! which entry's ids it reused and how many ([`Reuse`]), so a new turn of a conversation is
+//! neither tokenized nor hashed again up to where it restarted.
 
+use std::any::Any;
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use crate::encoder::Encoder;
 use crate::error::Result;
@@ -63,13 +70,25 @@ pub struct CacheStats {
     pub evictions: u64,
 }
 
-#[derive(Debug)]
 struct Entry {
     text: Arc<str>,
     ids: Vec<u32>,
     splits: Vec<SplitPoint>,
     /// Its index keys (see [`level_keys`]), kept so eviction need not recompute them.
     keys: Vec<u64>,
+    /// What a caller computed from `ids` (see [`PrefixCache::attach`]) and its size in bytes;
+    /// set under the cache's lock, once.
+    attached: OnceLock<(Box<dyn Any + Send + Sync>, usize)>,
+}
+
+impl fmt::Debug for Entry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Entry")
+            .field("text_bytes", &self.text.len())
+            .field("ids", &self.ids.len())
+            .field("attached", &self.attached.get().map(|a| a.1))
+            .finish()
+    }
 }
 
 impl Entry {
@@ -77,8 +96,33 @@ impl Entry {
         self.text.len()
             + self.ids.len() * 4
             + std::mem::size_of_val(self.splits.as_slice())
+            + self.attached.get().map_or(0, |a| a.1)
             + ENTRY_OVERHEAD
     }
+}
+
+/// A cache entry seen from outside: something computed from its ids (block digests) can be
+/// kept with it ([`PrefixCache::attach`]) and found again when a later text reuses them.
+#[derive(Clone, Debug)]
+pub struct EntryRef {
+    entry: Arc<Entry>,
+    id: u64,
+}
+
+impl EntryRef {
+    /// What was attached to the entry, if anything.
+    pub fn attached(&self) -> Option<&(dyn Any + Send + Sync)> {
+        self.entry.attached.get().map(|a| a.0.as_ref())
+    }
+}
+
+/// What the cache did for one text: the entry whose ids it reused, with how many leading ids
+/// of the result are that entry's ids, and the entry that now holds the text (a new one, or the
+/// one it repeats). Both `None` when the text bypassed the cache.
+#[derive(Clone, Debug, Default)]
+pub struct Reuse {
+    pub from: Option<(EntryRef, usize)>,
+    pub stored: Option<EntryRef>,
 }
 
 #[derive(Debug, Default)]
@@ -126,15 +170,26 @@ impl PrefixCache {
 
     /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work.
     pub(crate) fn encode(&self, enc: &Encoder, text: &str) -> Result<Vec<u32>> {
+        Ok(self.encode_reuse(enc, text)?.0)
+    }
+
+    /// [`PrefixCache::encode`], saying which entries it reused and stored.
+    pub(crate) fn encode_reuse(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Reuse)> {
         if !enc.split_safe || text.len() < MIN_LEVEL || self.capacity == 0 {
-            return enc.encode(text, false);
+            return Ok((enc.encode(text, false)?, Reuse::default()));
         }
         let keys = level_keys(text);
         let found = self.best_match(text, &keys);
-        let (ids, splits, superseded) = match found {
+        let (ids, splits, superseded, from) = match found {
             Some((entry, id, lcp)) if lcp == text.len() && lcp == entry.text.len() => {
                 self.touch(id, 0, lcp, false);
-                return Ok(entry.ids.clone());
+                let ids = entry.ids.clone();
+                let here = EntryRef { entry, id };
+                let reuse = Reuse {
+                    from: Some((here.clone(), ids.len())),
+                    stored: Some(here),
+                };
+                return Ok((ids, reuse));
             }
             Some((entry, id, lcp)) => match restart_point(&entry, lcp, enc.max_added_len) {
                 Some(sp) => {
@@ -142,7 +197,9 @@ impl PrefixCache {
                     ids.shrink_to_fit();
                     splits.shrink_to_fit();
                     self.touch(id, text.len() - sp.byte as usize, sp.byte as usize, sp.word);
-                    (ids, splits, (lcp == entry.text.len()).then_some(id))
+                    let superseded = (lcp == entry.text.len()).then_some(id);
+                    let from = (EntryRef { entry, id }, sp.token as usize);
+                    (ids, splits, superseded, Some(from))
                 }
                 None => self.miss(enc, text)?,
             },
@@ -154,15 +211,48 @@ impl PrefixCache {
             ids,
             splits,
             keys,
+            attached: OnceLock::new(),
         };
-        self.insert(entry, superseded);
-        Ok(out)
+        let stored = self.insert(entry, superseded);
+        Ok((out, Reuse { from, stored }))
     }
 
-    fn miss(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>, Option<u64>)> {
+    /// Keeps `value` (`bytes` of memory, counted against the capacity) with `entry`, unless
+    /// something is attached already or the entry has left the cache. `value` must be a
+    /// function of the entry's ids alone: a later text reusing them reads it back.
+    pub fn attach(&self, entry: &EntryRef, value: Box<dyn Any + Send + Sync>, bytes: usize) {
+        let mut g = self.lock();
+        let present = g
+            .entries
+            .get(&entry.id)
+            .is_some_and(|(e, _)| Arc::ptr_eq(e, &entry.entry));
+        if !present || entry.entry.attached.set((value, bytes)).is_err() {
+            return;
+        }
+        g.bytes += bytes;
+        while g.bytes > self.capacity {
+            let Some((_, victim)) = g.lru.pop_first() else {
+                break;
+            };
+            g.remove(victim);
+            g.stats.evictions += 1;
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn miss(
+        &self,
+        enc: &Encoder,
+        text: &str,
+    ) -> Result<(
+        Vec<u32>,
+        Vec<SplitPoint>,
+        Option<u64>,
+        Option<(EntryRef, usize)>,
+    )> {
         self.lock().stats.misses += 1;
         let (ids, splits) = enc.encode_with_splits(text)?;
-        Ok((ids, splits, None))
+        Ok((ids, splits, None, None))
     }
 
     fn touch(&self, id: u64, encoded: usize, reused: usize, word: bool) {
@@ -217,12 +307,13 @@ impl PrefixCache {
         None
     }
 
-    fn insert(&self, entry: Entry, superseded: Option<u64>) {
+    fn insert(&self, entry: Entry, superseded: Option<u64>) -> Option<EntryRef> {
         let cost = entry.cost();
         if cost > self.capacity {
-            return;
+            return None;
         }
         let keys = entry.keys.clone();
+        let entry = Arc::new(entry);
         let mut g = self.lock();
         if let Some(old) = superseded {
             g.remove(old);
@@ -230,7 +321,7 @@ impl PrefixCache {
         g.tick += 1;
         g.next_id += 1;
         let (id, tick) = (g.next_id, g.tick);
-        g.entries.insert(id, (Arc::new(entry), tick));
+        g.entries.insert(id, (entry.clone(), tick));
         g.lru.insert(tick, id);
         g.bytes += cost;
         for key in keys {
@@ -247,6 +338,9 @@ impl PrefixCache {
             g.remove(victim);
             g.stats.evictions += 1;
         }
+        g.entries
+            .contains_key(&id)
+            .then_some(EntryRef { entry, id })
     }
 }
 

@@ -32,7 +32,7 @@ pub mod value;
 use std::collections::BTreeMap;
 use std::path::Path;
 
-pub use cache::{CacheStats, PrefixCache};
+pub use cache::{CacheStats, EntryRef, PrefixCache, Reuse};
 pub use content_format::ContentFormat;
 pub use error::{Result, TokenizeError};
 pub use json::{Json, Map};
@@ -261,13 +261,35 @@ impl Tokenizer {
 
     /// The token ids vLLM computes (and hashes) for a chat request.
     pub fn encode_chat(&self, req: &ChatRequest) -> Result<Vec<u32>> {
+        Ok(self.encode_chat_reuse(req)?.0)
+    }
+
+    /// [`Tokenizer::encode_chat`], with the prefix cache's [`Reuse`]: the ids are the cached
+    /// entries' ids exactly (no special tokens added around them), so what a caller attaches
+    /// to `stored` ([`Tokenizer::attach`]) it can read back from a later request's `from`,
+    /// for as many leading ids as `from` says. Empty when special tokens are added.
+    pub fn encode_chat_reuse(&self, req: &ChatRequest) -> Result<(Vec<u32>, Reuse)> {
         let text = self.render_chat(req)?;
-        let ids = self.encode_text(&text, req.add_special_tokens)?;
+        let (ids, reuse) = if req.add_special_tokens {
+            (self.encode_text(&text, true)?, Reuse::default())
+        } else {
+            self.cache.encode_reuse(&self.encoder, &text)?
+        };
         if ids.is_empty() {
             return Err(TokenizeError::InvalidRequest(
                 "the rendered prompt is empty".into(),
             ));
         }
-        Ok(ids)
+        Ok((ids, reuse))
+    }
+
+    /// Keeps `value` with a prefix-cache entry (see [`PrefixCache::attach`]).
+    pub fn attach(
+        &self,
+        entry: &EntryRef,
+        value: Box<dyn std::any::Any + Send + Sync>,
+        bytes: usize,
+    ) {
+        self.cache.attach(entry, value, bytes);
     }
 }

@@ -246,3 +246,67 @@ fn prompts_diverging_at_a_word_boundary_equal_full_tokenization() {
         }
     });
 }
+
+/// What a caller attaches to a cache entry comes back with a later request that reuses the
+/// entry's ids, for as many leading ids as the entry gave; it counts against the capacity; an
+/// entry that left the cache takes nothing.
+#[test]
+fn attachments_come_back_with_the_ids_they_were_made_from() {
+    let t = load("qwen3", 1 << 20);
+    let history = "Tell me about the history of tea in detail. ".repeat(20);
+    let first = request(&[(true, history.clone())], Some("Be brief."));
+    let (ids1, reuse1) = t.encode_chat_reuse(&first).unwrap();
+    assert!(reuse1.from.is_none());
+    let stored = reuse1.stored.expect("a long text is stored");
+    let before = t.cache_stats().bytes;
+    t.attach(&stored, Box::new(ids1.clone()), 10_000);
+    assert_eq!(t.cache_stats().bytes, before + 10_000);
+    // A second attachment is refused: the first stays.
+    t.attach(&stored, Box::new(Vec::<u32>::new()), 5);
+    assert_eq!(t.cache_stats().bytes, before + 10_000);
+
+    let next = request(
+        &[
+            (true, history.clone()),
+            (false, "Tea came from China.".into()),
+            (true, "More?".into()),
+        ],
+        Some("Be brief."),
+    );
+    let (ids2, reuse2) = t.encode_chat_reuse(&next).unwrap();
+    let (entry, n) = reuse2.from.expect("the first turn's entry is reused");
+    let attached = entry
+        .attached()
+        .and_then(|a| a.downcast_ref::<Vec<u32>>())
+        .unwrap();
+    assert_eq!(attached, &ids1);
+    assert!(n > 0 && n <= ids1.len());
+    assert_eq!(ids2[..n], ids1[..n]);
+    assert_eq!(
+        ids2,
+        t.encode_uncached(&t.render_chat(&next).unwrap(), false)
+            .unwrap()
+    );
+
+    // The second turn's entry took the place of the first's (it extends it); repeating the
+    // second turn exactly hands that entry back, whole, as both `from` and `stored`.
+    let stored2 = reuse2.stored.unwrap();
+    t.attach(&stored2, Box::new(7u64), 100);
+    let (ids3, reuse3) = t.encode_chat_reuse(&next).unwrap();
+    let (entry, n) = reuse3.from.unwrap();
+    assert_eq!((ids3.len(), n), (ids2.len(), ids2.len()));
+    assert_eq!(
+        entry.attached().and_then(|a| a.downcast_ref::<u64>()),
+        Some(&7)
+    );
+    assert!(reuse3.stored.unwrap().attached().is_some());
+
+    // A cache too small to keep the entry once something is attached drops it.
+    let small = load("qwen3", 20_000);
+    let (_, r) = small.encode_chat_reuse(&first).unwrap();
+    let stored = r.stored.unwrap();
+    small.attach(&stored, Box::new(0u8), 30_000);
+    assert_eq!(small.cache_stats().entries, 0);
+    small.attach(&stored, Box::new(0u8), 1);
+    assert_eq!(small.cache_stats().bytes, 0);
+}
