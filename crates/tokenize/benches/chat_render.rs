@@ -16,12 +16,12 @@
 // Test code: a failed unwrap is a failed test with its message.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::io::Read;
-
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kinference_testkit::shared_dir;
-use kinference_tokenize::{ChatRequest, Tokenizer, TokenizerOptions};
+use kinference_tokenize::ChatRequest;
 use sha2::{Digest, Sha256};
+
+#[path = "../tests/common/mod.rs"]
+mod common;
 
 // The kinference binary's allocator.
 #[global_allocator]
@@ -32,29 +32,18 @@ const SAMPLE_EVERY: usize = 10;
 
 /// The request bodies of router-latency.sh's chat workload, in its order.
 fn chat_bodies() -> Vec<String> {
-    let path = shared_dir().join("data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz");
-    let mut text = String::new();
-    flate2::read::GzDecoder::new(std::fs::File::open(path).unwrap())
-        .read_to_string(&mut text)
-        .unwrap();
-    let convs: Vec<serde_json::Value> = text
-        .lines()
-        .filter(|l| !l.is_empty())
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
     // Per conversation: the `messages` JSON of each human turn, written as the script's
     // json.dumps(ensure_ascii=False) writes it (serde_json escapes the same characters).
-    let turns: Vec<Vec<String>> = convs[2000..]
+    let turns: Vec<Vec<String>> = common::sharegpt()[2000..]
         .iter()
         .map(|c| {
             let mut msgs: Vec<String> = Vec::new();
             let mut mine = Vec::new();
-            for m in c["conversations"].as_array().unwrap() {
-                let human = m["from"].as_str() == Some("human");
-                let role = if human { "user" } else { "assistant" };
-                let content = serde_json::to_string(m["value"].as_str().unwrap()).unwrap();
+            for (human, value) in c {
+                let role = if *human { "user" } else { "assistant" };
+                let content = serde_json::to_string(value).unwrap();
                 msgs.push(format!(r#"{{"role": "{role}", "content": {content}}}"#));
-                if human {
+                if *human {
                     mine.push(format!("[{}]", msgs.join(", ")));
                 }
             }
@@ -74,15 +63,6 @@ fn chat_bodies() -> Vec<String> {
         }
     }
     bodies
-}
-
-fn load(name: &str) -> Tokenizer {
-    let dir = shared_dir().join("data/tokenizers").join(name);
-    let options = TokenizerOptions {
-        cache_capacity_bytes: 0,
-        ..TokenizerOptions::default()
-    };
-    Tokenizer::from_dir_with(dir, options).unwrap()
 }
 
 fn bench(c: &mut Criterion) {
@@ -105,7 +85,7 @@ fn bench(c: &mut Criterion) {
     g.throughput(Throughput::Elements(sample.len() as u64));
     g.sample_size(20);
     for name in TOKENIZERS {
-        let tok = load(name);
+        let tok = common::load(name, 0);
         let mut digest = Sha256::new();
         for req in &all {
             digest.update(tok.render_chat(req).unwrap().as_bytes());
