@@ -180,7 +180,7 @@ impl PrefixCache {
         }
         let keys = level_keys(text);
         let found = self.best_match(text, &keys);
-        let (ids, splits, superseded, from) = match found {
+        let restarted = match found {
             Some((entry, id, lcp)) if lcp == text.len() && lcp == entry.text.len() => {
                 self.touch(id, 0, lcp, false);
                 let ids = entry.ids.clone();
@@ -199,11 +199,18 @@ impl PrefixCache {
                     self.touch(id, text.len() - sp.byte as usize, sp.byte as usize, sp.word);
                     let superseded = (lcp == entry.text.len()).then_some(id);
                     let from = (EntryRef { entry, id }, sp.token as usize);
-                    (ids, splits, superseded, Some(from))
+                    Some((ids, splits, superseded, from))
                 }
-                None => self.miss(enc, text)?,
+                None => None,
             },
-            None => self.miss(enc, text)?,
+            None => None,
+        };
+        let (ids, splits, superseded, from) = match restarted {
+            Some((ids, splits, superseded, from)) => (ids, splits, superseded, Some(from)),
+            None => {
+                let (ids, splits) = self.miss(enc, text)?;
+                (ids, splits, None, None)
+            }
         };
         let out = ids.clone();
         let entry = Entry {
@@ -239,20 +246,9 @@ impl PrefixCache {
         }
     }
 
-    #[allow(clippy::type_complexity)]
-    fn miss(
-        &self,
-        enc: &Encoder,
-        text: &str,
-    ) -> Result<(
-        Vec<u32>,
-        Vec<SplitPoint>,
-        Option<u64>,
-        Option<(EntryRef, usize)>,
-    )> {
+    fn miss(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>)> {
         self.lock().stats.misses += 1;
-        let (ids, splits) = enc.encode_with_splits(text)?;
-        Ok((ids, splits, None, None))
+        enc.encode_with_splits(text)
     }
 
     fn touch(&self, id: u64, encoded: usize, reused: usize, word: bool) {
