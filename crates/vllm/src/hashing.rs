@@ -485,27 +485,34 @@ impl BlockHasher {
         let mut out = Vec::with_capacity(tokens.len() / self.block_size);
         let mut parent = self.none_hash;
         let no_keys = extras.is_empty();
-        // Two misses in a row: the chain has left what the memo holds (a later block's parent
-        // is a digest it has not seen), so the rest is not looked up: a lookup that misses
-        // costs a cache line from memory, about what digesting the block costs. One miss
-        // alone may be a slot taken by another block.
+        // Two lookups missed in a row: the chain has left what the memo holds (a later
+        // block's parent is a digest it has not seen), so the rest is not looked up: a lookup
+        // that misses costs a cache line from memory, about what digesting the block costs.
+        // One miss alone may be a slot taken by another block.
         let mut misses_in_a_row = 0;
         with_scratch(|s| {
             for (index, block) in tokens.chunks_exact(self.block_size).enumerate() {
-                let plain =
-                    no_keys || keys::count(extras, self.format, index, self.block_size) == 0;
-                let found = (plain && misses_in_a_row < 2)
-                    .then(|| memo.get(self.algo, &parent, block))
-                    .flatten();
-                misses_in_a_row = if found.is_some() {
+                let n_keys = if no_keys {
                     0
                 } else {
-                    misses_in_a_row + 1
+                    keys::count(extras, self.format, index, self.block_size)
+                };
+                let plain = n_keys == 0;
+                let found = if plain && misses_in_a_row < 2 {
+                    let found = memo.get(self.algo, &parent, block);
+                    misses_in_a_row = if found.is_some() {
+                        0
+                    } else {
+                        misses_in_a_row + 1
+                    };
+                    found
+                } else {
+                    None
                 };
                 let digest = match found {
                     Some(d) => d,
                     None => {
-                        self.block_input(Some(&parent), block, index, extras, s);
+                        self.block_input_keyed(Some(&parent), block, index, extras, n_keys, s);
                         let d = self.algo.digest(&s.buf);
                         if plain {
                             memo.put(self.algo, &parent, block, d);
@@ -588,8 +595,21 @@ impl BlockHasher {
         extras: &RequestExtras,
         s: &mut Scratch,
     ) {
-        let parent = parent.unwrap_or(&self.none_hash).as_bytes();
         let n_keys = keys::count(extras, self.format, index, self.block_size);
+        self.block_input_keyed(parent, tokens, index, extras, n_keys, s);
+    }
+
+    /// [`BlockHasher::block_input`] for a block whose extra keys were counted already.
+    fn block_input_keyed(
+        &self,
+        parent: Option<&BlockDigest>,
+        tokens: &[u32],
+        index: usize,
+        extras: &RequestExtras,
+        n_keys: usize,
+        s: &mut Scratch,
+    ) {
+        let parent = parent.unwrap_or(&self.none_hash).as_bytes();
         if self.algo.uses_cbor() {
             s.buf.clear();
             self.cbor_input(parent, tokens, index, extras, n_keys, &mut s.buf);
