@@ -68,7 +68,7 @@ pub(crate) fn build(
         .iter()
         .map(|m| normalize_message(m, format))
         .collect::<Result<Vec<_>>>()?;
-    if messages.iter().any(|m| role(m) == "developer")
+    if messages.iter().any(|m| m.role == "developer")
         && !template_src.contains("\"developer\"")
         && !template_src.contains("'developer'")
     {
@@ -200,10 +200,6 @@ impl Message<'_> {
         }
         SmallMap::value(pairs)
     }
-}
-
-fn role<'m>(m: &'m Message<'_>) -> &'m str {
-    &m.role
 }
 
 /// One message as vLLM's `_parse_chat_message_content` + `_postprocess_messages` leave it.
@@ -453,7 +449,7 @@ fn developer_to_system(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
     messages
         .into_iter()
         .map(|mut m| {
-            if role(&m) == "developer" {
+            if m.role == "developer" {
                 m.role = Cow::Borrowed("system");
                 m.rest.shift_remove("tools");
             }
@@ -468,7 +464,7 @@ fn consolidate_system(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
     let mut contents: Vec<String> = Vec::new();
     let mut needed = false;
     for (i, m) in messages.iter().enumerate() {
-        if role(m) != "system" {
+        if m.role != "system" {
             continue;
         }
         if i > 0 || !contents.is_empty() {
@@ -499,7 +495,7 @@ fn consolidate_system(messages: Vec<Message<'_>>) -> Vec<Message<'_>> {
         content: Content::Text(Cow::Owned(contents.join("\n\n"))),
         rest: Map::new(),
     };
-    let others = messages.into_iter().filter(|m| role(m) != "system");
+    let others = messages.into_iter().filter(|m| m.role != "system");
     std::iter::once(merged).chain(others).collect()
 }
 
