@@ -7,7 +7,8 @@
 //! with `L` the longest common prefix, tokenization restarts at the last split point `p` where
 //! every match decision before `p` reads only shared bytes: `p + max_added_len + 4 <= L` after
 //! an added token, `p < L` at a word split (only byte `p` itself, a space, must be shared). The
-//! result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`.
+//! result is `cached_ids[..token(p)] ++ encode(text[p..])`, equal to `encode(text)`. The result
+//! becomes an entry of its own only if `text[p..]` is long enough to be worth one.
 //!
 //! ```text
 //!  cached:  |<s>system ...<eot>|<s>user ...<eot>|<s>assistant\n|            (turn N)
@@ -41,6 +42,12 @@ use crate::pretok::SplitPoint;
 
 /// Texts shorter than this are encoded directly (cheap, and not worth an entry).
 const MIN_LEVEL: usize = 256;
+/// A text that reused an entry and encoded fewer new bytes than this is not stored: its entry
+/// would copy the whole text, ids and split points (and evict another) to save a later text
+/// extending it at most these bytes of encoding. A prompt that differs from its neighbours only
+/// in a short tail (a shared document or system prompt with a question) thus costs a lookup and
+/// the tail's encoding, not an entry per request.
+const MIN_NEW_BYTES: usize = 256;
 /// Entries kept per index bucket (texts sharing the same first bytes).
 const BUCKET_CAP: usize = 32;
 /// Most recent candidates compared per lookup (each comparison may scan the whole prefix).
@@ -118,7 +125,9 @@ impl EntryRef {
 
 /// What the cache did for one text: the entry whose ids it reused, with how many leading ids
 /// of the result are that entry's ids, and the entry that now holds the text (a new one, or the
-/// one it repeats). Both `None` when the text bypassed the cache.
+/// one it repeats). Both `None` when the text bypassed the cache; `stored` alone is `None` when
+/// the text reused an entry but added too little to be stored itself (see `MIN_NEW_BYTES`) or
+/// did not fit.
 #[derive(Clone, Debug, Default)]
 pub struct Reuse {
     pub from: Option<(EntryRef, usize)>,
@@ -192,6 +201,20 @@ impl PrefixCache {
                 return Ok((ids, reuse));
             }
             Some((entry, id, lcp)) => match restart_point(&entry, lcp, enc.max_added_len) {
+                Some(sp) if text.len() - (sp.byte as usize) < MIN_NEW_BYTES => {
+                    let t = sp.token as usize;
+                    let suffix = text.get(sp.byte as usize..).unwrap_or_default();
+                    let new_ids = enc.encode(suffix, false)?;
+                    let mut ids = Vec::with_capacity(t + new_ids.len());
+                    ids.extend_from_slice(entry.ids.get(..t).unwrap_or_default());
+                    ids.extend_from_slice(&new_ids);
+                    self.touch(id, suffix.len(), sp.byte as usize, sp.word);
+                    let reuse = Reuse {
+                        from: Some((EntryRef { entry, id }, t)),
+                        stored: None,
+                    };
+                    return Ok((ids, reuse));
+                }
                 Some(sp) => {
                     let (mut ids, mut splits) = extend(&entry, sp, text, enc)?;
                     ids.shrink_to_fit();

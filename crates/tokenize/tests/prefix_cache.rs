@@ -268,7 +268,7 @@ fn attachments_come_back_with_the_ids_they_were_made_from() {
     let next = request(
         &[
             (true, history.clone()),
-            (false, "Tea came from China.".into()),
+            (false, "Tea came from China. ".repeat(10)),
             (true, "More?".into()),
         ],
         Some("Be brief."),
@@ -309,4 +309,54 @@ fn attachments_come_back_with_the_ids_they_were_made_from() {
     assert_eq!(small.cache_stats().entries, 0);
     small.attach(&stored, Box::new(0u8), 1);
     assert_eq!(small.cache_stats().bytes, 0);
+}
+
+/// A request that adds only a short tail to a cached one reuses it without becoming an entry
+/// itself; one that adds more is stored, and both stay exact, as does a later request extending
+/// the unstored one (it restarts from the entry that is there).
+#[test]
+fn short_tails_reuse_without_being_stored() {
+    let t = load("qwen3", 1 << 20);
+    let doc = "The tea plant grows best on high, wet slopes in warm weather. ".repeat(60);
+    let turns = |n: usize| {
+        let mut msgs = vec![(true, doc.clone())];
+        for k in 0..n {
+            msgs.push((false, format!("Answer {k}.")));
+            msgs.push((true, format!("Question {k}?")));
+        }
+        request(&msgs, None)
+    };
+    let exact = |req: &ChatRequest, ids: &[u32]| {
+        let text = t.render_chat(req).unwrap();
+        assert_eq!(ids, t.encode_uncached(&text, false).unwrap());
+    };
+    let (_, first) = t.encode_chat_reuse(&turns(0)).unwrap();
+    assert!(first.stored.is_some() && first.from.is_none());
+    let entries = t.cache_stats().entries;
+
+    // Each turn adds ~60 bytes: the first two are not stored and restart from the first
+    // entry; by the third the tail since that entry is long enough to be stored.
+    for n in 1..=2 {
+        let req = turns(n);
+        let (ids, r) = t.encode_chat_reuse(&req).unwrap();
+        exact(&req, &ids);
+        let (_, reused) = r.from.expect("the first turn's entry is reused");
+        assert!(
+            reused > 0 && r.stored.is_none(),
+            "turn {n}: a short tail is stored"
+        );
+        assert_eq!(t.cache_stats().entries, entries);
+    }
+    let mut n = 3;
+    loop {
+        let req = turns(n);
+        let (ids, r) = t.encode_chat_reuse(&req).unwrap();
+        exact(&req, &ids);
+        assert!(r.from.is_some());
+        if r.stored.is_some() {
+            break;
+        }
+        n += 1;
+        assert!(n < 8, "a tail of {n} turns is still not stored");
+    }
 }
