@@ -325,6 +325,10 @@ pub struct EventPlaneConfig {
     pub replay_attempts: u32,
     /// Retry pacing after socket errors and failed replays.
     pub backoff: BackoffConfig,
+    /// While a SUB socket's messages arrive faster than this, its reader wakes at most once
+    /// per this interval and reads them all (see [`crate::socket::Pace`]); zero: on every
+    /// message.
+    pub read_pacing: Duration,
 }
 
 impl Default for EventPlaneConfig {
@@ -339,6 +343,7 @@ impl Default for EventPlaneConfig {
             replay_total_timeout: Duration::from_secs(30),
             replay_attempts: 2,
             backoff: BackoffConfig::default(),
+            read_pacing: Duration::from_millis(1),
         }
     }
 }

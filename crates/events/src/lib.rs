@@ -20,7 +20,9 @@
 //! ```
 //!
 //! - The **reader task** owns the SUB socket (libzmq, see [`socket`]) and drains it from the
-//!   moment it is bound or connected, forwarding raw messages and connection events.
+//!   moment it is bound or connected, forwarding raw messages and connection events. While
+//!   messages come faster than [`EventPlaneConfig::read_pacing`] it wakes once per that
+//!   interval and reads all that came ([`socket::Pace`]), not once per message.
 //! - The **subscriber task** parses frames, tracks the sequence number, fetches replays over a
 //!   DEALER socket while buffering live messages, and sends [`Update`]s to the writer. What it
 //!   sends for one worker is in stream order and the channel is FIFO, so the index applies each

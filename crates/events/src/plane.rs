@@ -23,6 +23,7 @@ use crate::config::{EventPlaneConfig, ReplicaConfig, WorkerConfig};
 use crate::error::EventsError;
 use crate::health::WorkerHealth;
 use crate::shared::{BoundEndpoint, SharedSub};
+use crate::socket::Pace;
 use crate::subscriber::{self, SubscriberSpec};
 use crate::transport::ReaderEvent;
 use crate::writer::{Envelope, Update, Writer};
@@ -343,7 +344,8 @@ impl EventPlane {
             Some(s) => s,
             None => {
                 let cancel = self.cancel.child_token();
-                Arc::new(SharedSub::open(endpoint, &self.config.backoff, cancel).await?)
+                let pace = Pace::new(self.config.read_pacing);
+                Arc::new(SharedSub::open(endpoint, &self.config.backoff, pace, cancel).await?)
             }
         };
         match shared.add_route(topic, tx) {

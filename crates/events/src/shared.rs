@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::BackoffConfig;
 use crate::error::EventsError;
-use crate::socket::PeerEvent;
+use crate::socket::{Pace, PeerEvent};
 use crate::transport::{self, ReaderEvent, SubStream};
 
 /// Distinct unknown topics remembered per endpoint (each with its count); more are only
@@ -97,6 +97,7 @@ impl SharedSub {
     pub async fn open(
         endpoint: &str,
         redial: &BackoffConfig,
+        pace: Pace,
         cancel: CancellationToken,
     ) -> Result<SharedSub, EventsError> {
         let stream = transport::open_sub(endpoint, true, "", redial).await?;
@@ -109,6 +110,7 @@ impl SharedSub {
             stream,
             routes.clone(),
             local_endpoint.clone(),
+            pace,
             cancel.clone(),
         ));
         Ok(SharedSub {
@@ -187,6 +189,7 @@ async fn dispatch(
     mut stream: SubStream,
     routes: Arc<Mutex<Routes>>,
     endpoint: String,
+    mut pace: Pace,
     cancel: CancellationToken,
 ) {
     let mut monitor_open = true;
@@ -218,7 +221,7 @@ async fn dispatch(
                     .flatten();
                 (alone, event)
             }
-            msg = stream.socket.recv() => match msg {
+            msg = stream.socket.recv_paced(&mut pace) => match msg {
                 Ok(frames) => {
                     let topic = frames.first().map(Vec::as_slice).unwrap_or_default();
                     let mut routes = routes.lock();

@@ -26,6 +26,7 @@ use crate::config::EventPlaneConfig;
 use crate::error::EventsError;
 use crate::health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};
 use crate::sequencer::{Live, Replayed, Sequencer};
+use crate::socket::Pace;
 use crate::transport::{self, ReaderEvent, ReplayConn, SubStream};
 use crate::wire::{self, ReplayFrame, SeqMsg, WireError};
 use crate::writer::{Envelope, Update};
@@ -124,6 +125,7 @@ pub(crate) async fn run(spec: SubscriberSpec, routed: Option<mpsc::Receiver<Read
                 stream,
                 tx,
                 spec.plane.backoff.clone(),
+                Pace::new(spec.plane.read_pacing),
                 spec.seed,
                 reader_cancel.clone(),
             ));

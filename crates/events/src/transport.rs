@@ -12,7 +12,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::{Backoff, BackoffConfig};
 use crate::error::EventsError;
-use crate::socket::{Monitor, PeerEvent, SocketError, SocketType, ZmqSocket};
+use crate::socket::{Monitor, Pace, PeerEvent, SocketError, SocketType, ZmqSocket};
 
 /// What the reader task reports to its subscriber, in arrival order.
 #[derive(Debug)]
@@ -79,16 +79,18 @@ pub(crate) async fn run_reader(
     mut stream: SubStream,
     tx: mpsc::Sender<ReaderEvent>,
     backoff: BackoffConfig,
+    pace: Pace,
     seed: u64,
     cancel: CancellationToken,
 ) {
-    read_until_cancelled(&mut stream, &tx, backoff, seed, &cancel).await;
+    read_until_cancelled(&mut stream, &tx, backoff, pace, seed, &cancel).await;
 }
 
 async fn read_until_cancelled(
     stream: &mut SubStream,
     tx: &mpsc::Sender<ReaderEvent>,
     backoff: BackoffConfig,
+    mut pace: Pace,
     seed: u64,
     cancel: &CancellationToken,
 ) {
@@ -114,7 +116,7 @@ async fn read_until_cancelled(
                     continue;
                 }
             },
-            msg = stream.socket.recv() => match msg {
+            msg = stream.socket.recv_paced(&mut pace) => match msg {
                 Ok(m) => {
                     backoff.reset();
                     ReaderEvent::Message(m.into_iter().map(Bytes::from).collect())
