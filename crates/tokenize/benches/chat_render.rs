@@ -3,13 +3,15 @@
 //! to 16 kB (as `scripts/router-latency.sh WORKLOAD=chat` builds them: 4,461 requests, mean
 //! 3.6 kB of messages). Every 10th of them, so the sample keeps the mix of short and long ones.
 //!
-//! - `chat_render/<tokenizer>`: `Tokenizer::render_chat` (building the template context and
-//!   rendering the chat template) over the whole sample, per iteration.
+//! - `chat_render/<tokenizer>/default`: `Tokenizer::render_chat` over the whole sample, per
+//!   iteration (the native renderer where the template has one, see `src/native.rs`);
+//!   `.../minijinja`: `Tokenizer::render_chat_reference` (building the template context and
+//!   rendering the chat template with minijinja).
 //! - `chat_parse`: `ChatRequest::from_json` of the same requests' bodies.
 //!
-//! Before timing, every one of the 4,461 requests is rendered with each template and a SHA-256
-//! of the outputs is printed: a change that is meant to be a speed-up only must print the same
-//! digests.
+//! Before timing, every one of the 4,461 requests is rendered with each template, both ways, and
+//! a SHA-256 of the outputs is printed: the two ways must print the same digest, and a change
+//! that is meant to be a speed-up only must print the same digests as before it.
 //!
 //! Run: `cargo bench -p kinference-tokenize --bench chat_render`.
 
@@ -17,7 +19,7 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use kinference_tokenize::ChatRequest;
+use kinference_tokenize::{ChatRequest, Tokenizer};
 use sha2::{Digest, Sha256};
 
 #[path = "../tests/common/mod.rs"]
@@ -86,21 +88,28 @@ fn bench(c: &mut Criterion) {
     g.sample_size(20);
     for name in TOKENIZERS {
         let tok = common::load(name, 0);
-        let mut digest = Sha256::new();
-        for req in &all {
-            digest.update(tok.render_chat(req).unwrap().as_bytes());
-            digest.update([0]);
+        // The default path (native where the template has a native renderer) and minijinja
+        // alone; both digests are printed and must agree.
+        for (path, render) in [
+            ("default", Tokenizer::render_chat as fn(&Tokenizer, &ChatRequest) -> _),
+            ("minijinja", Tokenizer::render_chat_reference),
+        ] {
+            let mut digest = Sha256::new();
+            for req in &all {
+                digest.update(render(&tok, req).unwrap().as_bytes());
+                digest.update([0]);
+            }
+            let digest = digest.finalize();
+            let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
+            println!("{name} {path}: rendered {} requests, sha256 {hex}", all.len());
+            g.bench_function(format!("{name}/{path}"), |b| {
+                b.iter(|| {
+                    for req in &sample {
+                        std::hint::black_box(render(&tok, req).unwrap());
+                    }
+                })
+            });
         }
-        let digest = digest.finalize();
-        let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-        println!("{name}: rendered {} requests, sha256 {hex}", all.len());
-        g.bench_function(name, |b| {
-            b.iter(|| {
-                for req in &sample {
-                    std::hint::black_box(tok.render_chat(req).unwrap());
-                }
-            })
-        });
     }
     g.finish();
 

@@ -46,22 +46,31 @@ const APPLY_PARAMS: [&str; 13] = [
 
 const BILLING_HEADER: &str = "x-anthropic-billing-header";
 
-/// The template variables for one request, plus what `continue_final_message` needs afterwards.
+/// A request's messages and template keyword arguments as vLLM normalizes them, before they
+/// become template variables ([`Prepared::context`]) or go to a native renderer.
 #[derive(Debug)]
-pub(crate) struct RenderContext {
-    pub ctx: Value,
+pub(crate) struct Prepared<'a> {
+    messages: Vec<Message<'a>>,
+    kwargs: Map,
+    add_generation_prompt: bool,
     /// The final message's text, when the render must be cut to continue it.
     pub continue_text: Option<String>,
 }
 
-/// Builds the template variables for `req`.
-pub(crate) fn build(
-    req: &ChatRequest,
+/// One message seen by a native renderer: role, text content, the other fields.
+pub(crate) struct TextMessage<'m> {
+    pub role: &'m str,
+    pub content: &'m str,
+    pub rest: &'m Map,
+}
+
+/// Normalizes `req` for a template of content format `format` whose source is `template_src`.
+pub(crate) fn prepare<'a>(
+    req: &'a ChatRequest,
     format: ContentFormat,
     template_src: &str,
-    special_tokens: &Map,
     default_kwargs: &Map,
-) -> Result<RenderContext> {
+) -> Result<Prepared<'a>> {
     validate(req)?;
     let mut messages = req
         .messages
@@ -89,33 +98,82 @@ pub(crate) fn build(
         None => None,
     };
     let kwargs = merge_kwargs(req, tools, default_kwargs)?;
-
-    // Later values replace earlier ones in the earlier one's place, as in a Python dict (and as
-    // `Value::from_pairs` did): request kwargs override special tokens.
-    let mut ctx: Vec<(Value, Value)> = Vec::with_capacity(special_tokens.len() + kwargs.len() + 4);
-    let mut set = |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key.as_str() == Some(k))
-    {
-        Some(slot) => slot.1 = v,
-        None => ctx.push((Value::from(k), v)),
-    };
-    for (k, v) in special_tokens.iter().chain(kwargs.iter()) {
-        if !APPLY_PARAMS.contains(&k.as_str()) {
-            set(k, json_to_value(v));
-        }
-    }
-    let get = |k: &str| kwargs.get(k).map(json_to_value).unwrap_or(Value::from(()));
-    set("tools", get("tools"));
-    set("documents", get("documents"));
-    set(
-        "add_generation_prompt",
-        Value::from(req.add_generation_prompt),
-    );
-    let msgs: Vec<Value> = messages.iter().map(Message::to_value).collect();
-    set("messages", Value::from(msgs));
-    Ok(RenderContext {
-        ctx: SmallMap::value(ctx),
+    Ok(Prepared {
+        messages,
+        kwargs,
+        add_generation_prompt: req.add_generation_prompt,
         continue_text,
     })
+}
+
+impl Prepared<'_> {
+    /// The template variables: the special tokens, then the keyword arguments (a later value
+    /// replaces an earlier one in its place, as in a Python dict), then `tools`, `documents`,
+    /// `add_generation_prompt` and `messages`.
+    pub(crate) fn context(&self, special_tokens: &Map) -> Value {
+        let mut ctx: Vec<(Value, Value)> =
+            Vec::with_capacity(special_tokens.len() + self.kwargs.len() + 4);
+        let mut set =
+            |k: &str, v: Value| match ctx.iter_mut().find(|(key, _)| key.as_str() == Some(k)) {
+                Some(slot) => slot.1 = v,
+                None => ctx.push((Value::from(k), v)),
+            };
+        for (k, v) in special_tokens.iter().chain(self.kwargs.iter()) {
+            if !APPLY_PARAMS.contains(&k.as_str()) {
+                set(k, json_to_value(v));
+            }
+        }
+        let get = |k: &str| {
+            self.kwargs
+                .get(k)
+                .map(json_to_value)
+                .unwrap_or(Value::from(()))
+        };
+        set("tools", get("tools"));
+        set("documents", get("documents"));
+        set(
+            "add_generation_prompt",
+            Value::from(self.add_generation_prompt),
+        );
+        let msgs: Vec<Value> = self.messages.iter().map(Message::to_value).collect();
+        set("messages", Value::from(msgs));
+        SmallMap::value(ctx)
+    }
+
+    /// The value [`Prepared::context`] gives `name`, for a name other than `tools`,
+    /// `documents`, `add_generation_prompt` and `messages` (`None`: undefined).
+    pub(crate) fn variable<'m>(&'m self, special_tokens: &'m Map, name: &str) -> Option<&'m Json> {
+        if APPLY_PARAMS.contains(&name) {
+            return special_tokens.get(name);
+        }
+        self.kwargs.get(name).or_else(|| special_tokens.get(name))
+    }
+
+    /// `tools` and `documents` are both unset (`None` in the template).
+    pub(crate) fn no_tools_or_documents(&self) -> bool {
+        ["tools", "documents"]
+            .iter()
+            .all(|k| self.kwargs.get(*k).is_none_or(Json::is_null))
+    }
+
+    pub(crate) fn add_generation_prompt(&self) -> bool {
+        self.add_generation_prompt
+    }
+
+    /// The messages, if every content is a string.
+    pub(crate) fn text_messages(&self) -> Option<Vec<TextMessage<'_>>> {
+        self.messages
+            .iter()
+            .map(|m| match &m.content {
+                Content::Text(t) => Some(TextMessage {
+                    role: &m.role,
+                    content: t,
+                    rest: &m.rest,
+                }),
+                Content::Json(_) => None,
+            })
+            .collect()
+    }
 }
 
 fn invalid(msg: impl Into<String>) -> TokenizeError {

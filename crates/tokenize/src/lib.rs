@@ -23,6 +23,7 @@ mod encoder;
 pub mod error;
 mod fast_bpe;
 pub mod json;
+mod native;
 mod pretok;
 pub mod pyfmt;
 pub mod request;
@@ -71,6 +72,8 @@ impl Default for TokenizerOptions {
 struct Template {
     compiled: ChatTemplate,
     format: ContentFormat,
+    /// The native renderer of exactly this source, if there is one.
+    native: Option<native::Known>,
 }
 
 /// A model's tokenizer and chat templates. `Send + Sync`: share one per model.
@@ -131,7 +134,15 @@ impl Tokenizer {
                     let format = options
                         .content_format
                         .unwrap_or_else(|| content_format::detect(src));
-                    templates.insert(name.clone(), Template { compiled, format });
+                    let native = native::Known::of(src);
+                    templates.insert(
+                        name.clone(),
+                        Template {
+                            compiled,
+                            format,
+                            native,
+                        },
+                    );
                 }
                 Err(e) => template_error = Some(format!("{name}: {e}")),
             }
@@ -242,21 +253,47 @@ impl Tokenizer {
         }
     }
 
-    /// The prompt text vLLM renders for a chat request.
+    /// The prompt text vLLM renders for a chat request: natively where the template is one
+    /// of those `native` knows and the request is within what it models, else by minijinja.
     pub fn render_chat(&self, req: &ChatRequest) -> Result<String> {
+        Ok(self.render_chat_traced(req)?.0)
+    }
+
+    /// [`Tokenizer::render_chat`], saying whether a native renderer made the text.
+    pub fn render_chat_traced(&self, req: &ChatRequest) -> Result<(String, bool)> {
+        self.render_chat_with(req, true)
+    }
+
+    /// [`Tokenizer::render_chat`] by minijinja alone (the reference native renders are
+    /// tested against).
+    pub fn render_chat_reference(&self, req: &ChatRequest) -> Result<String> {
+        Ok(self.render_chat_with(req, false)?.0)
+    }
+
+    /// The native renderer of the template a request without tools gets, by name, if any.
+    pub fn native_template(&self) -> Option<&'static str> {
+        let t = self.templates.get("default")?;
+        t.native.map(native::Known::name)
+    }
+
+    fn render_chat_with(&self, req: &ChatRequest, allow_native: bool) -> Result<(String, bool)> {
         let t = self.template_for(req)?;
-        let rc = conversation::build(
-            req,
-            t.format,
-            t.compiled.source(),
-            &self.special_tokens,
-            &self.default_kwargs,
-        )?;
-        let text = t.compiled.render(rc.ctx)?;
-        match rc.continue_text {
-            Some(final_text) => conversation::cut_at_continue_tag(&text, &final_text),
-            None => Ok(text),
-        }
+        let prepared =
+            conversation::prepare(req, t.format, t.compiled.source(), &self.default_kwargs)?;
+        let native = t
+            .native
+            .filter(|_| allow_native)
+            .and_then(|k| k.render(&prepared, &self.special_tokens));
+        let used_native = native.is_some();
+        let text = match native {
+            Some(text) => text,
+            None => t.compiled.render(prepared.context(&self.special_tokens))?,
+        };
+        let text = match &prepared.continue_text {
+            Some(final_text) => conversation::cut_at_continue_tag(&text, final_text)?,
+            None => text,
+        };
+        Ok((text, used_native))
     }
 
     /// The token ids vLLM computes (and hashes) for a chat request.
