@@ -126,7 +126,10 @@ impl Policy {
         candidates
             .iter()
             .map(|c| {
-                let spec = self.speculative_prefix(c, req, now);
+                // Only a speculative prefix longer than the index's changes the credit.
+                let spec = self.tracker.as_ref().map_or(0, |t| {
+                    t.prefix_len_beyond(c.worker, req.hashes, c.cache.gpu, now)
+                });
                 let gpu = c.cache.gpu.max(spec);
                 Credit {
                     gpu,

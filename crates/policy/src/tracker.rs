@@ -179,6 +179,31 @@ impl PrefixTracker {
         n
     }
 
+    /// [`PrefixTracker::prefix_len`] when it exceeds `known`, else 0: for a caller that already
+    /// credits `worker` with `known` leading blocks and only needs to know whether the record
+    /// lengthens that. One probe (block `known`) answers most calls: a worker's record can only
+    /// reach past `known` if it holds that block.
+    pub fn prefix_len_beyond(
+        &self,
+        worker: WorkerId,
+        hashes: &[BlockHash],
+        known: u32,
+        now: Duration,
+    ) -> u32 {
+        let held = |h: &BlockHash| self.live.get(&(*h, worker)).is_some_and(|&(d, _)| d > now);
+        match hashes.get(known as usize) {
+            Some(h) if held(h) => {
+                let n = self.prefix_len(worker, hashes, now);
+                if n > known {
+                    n
+                } else {
+                    0
+                }
+            }
+            _ => 0,
+        }
+    }
+
     /// Removes the front element of the queue, and its pair if the element is current.
     fn pop_oldest(&mut self) -> bool {
         let Some((_, stamp, h, worker)) = self.order.pop_front() else {

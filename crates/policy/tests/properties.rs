@@ -86,11 +86,20 @@ fn tracker_matches_the_naive_model() {
             }
             for r in 0..4 {
                 let qw = WorkerId::new(ReplicaId(r), DpRank(0));
+                let want = n.prefix_len(qw, &hs, now);
                 assert_eq!(
                     t.prefix_len(qw, &hs, now),
-                    n.prefix_len(qw, &hs, now),
+                    want,
                     "seed {seed} step {step} worker {r}"
                 );
+                // What lengthens a known prefix: the whole prefix when longer, else 0.
+                for known in 0..=hs.len() as u32 + 1 {
+                    assert_eq!(
+                        t.prefix_len_beyond(qw, &hs, known, now),
+                        if want > known { want } else { 0 },
+                        "seed {seed} step {step} worker {r} known {known}"
+                    );
+                }
             }
             assert!(t.len() <= cap, "seed {seed} step {step}");
         }
