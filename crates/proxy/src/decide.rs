@@ -98,19 +98,55 @@ pub(crate) struct WarmSource {
 }
 
 /// A request body's pool, found from its `model` before any tokenizing (so that a request
-/// can wait at its pool's gate first).
+/// can wait at its pool's gate first), and the body parsed as its API's request.
 pub(crate) struct Looked<'f> {
     pub pool: &'f Arc<Pool>,
     lora: Option<&'f Lora>,
     head: Head,
+    /// The parse, or why it failed: that error is the request's, answered after the pool's
+    /// gate as before the body was read once.
+    request: Result<Parsed, TokenizeError>,
 }
 
-/// Reads a request body's `model` (and `cache_salt`) and finds its pool.
-pub(crate) fn lookup<'f>(fleet: &'f Fleet, body: &[u8]) -> Result<Looked<'f>, RequestError> {
-    let head: Head = serde_json::from_slice(body)
-        .map_err(|e| RequestError::BadRequest(format!("the body is not a JSON request: {e}")))?;
+/// A body parsed as its API's request.
+enum Parsed {
+    /// Boxed: a chat request is large next to a completions one.
+    Chat(Box<ChatRequest>),
+    Completions(CompletionRequest),
+}
+
+/// Parses a request body once, as its API's request (which carries `model` and `cache_salt`
+/// too), and finds its pool. A body that is no such request is read again for those two alone:
+/// it is still routed, or refused, by them.
+pub(crate) fn lookup<'f>(
+    fleet: &'f Fleet,
+    api: Api,
+    body: &[u8],
+) -> Result<Looked<'f>, RequestError> {
+    let request = match api {
+        Api::Chat => ChatRequest::from_json(body).map(|r| Parsed::Chat(Box::new(r))),
+        Api::Completions => CompletionRequest::from_json(body).map(Parsed::Completions),
+    };
+    let head = match &request {
+        Ok(Parsed::Chat(r)) => Head {
+            model: r.model.clone(),
+            cache_salt: r.cache_salt.clone(),
+        },
+        Ok(Parsed::Completions(r)) => Head {
+            model: r.model.clone(),
+            cache_salt: r.cache_salt.clone(),
+        },
+        Err(_) => serde_json::from_slice(body).map_err(|e| {
+            RequestError::BadRequest(format!("the body is not a JSON request: {e}"))
+        })?,
+    };
     let (pool, lora) = fleet.lookup(head.model.as_deref())?;
-    Ok(Looked { pool, lora, head })
+    Ok(Looked {
+        pool,
+        lora,
+        head,
+        request,
+    })
 }
 
 /// Parses and tokenizes a request body and hashes its prompt's full blocks.
@@ -122,27 +158,30 @@ pub(crate) fn prepare(
     headers: &HeaderMap,
     peek: bool,
 ) -> Result<Prepared, RequestError> {
-    let looked = lookup(fleet, body)?;
-    prepare_looked(fleet, api, looked, body, headers, peek)
+    let looked = lookup(fleet, api, body)?;
+    prepare_looked(fleet, looked, headers, peek)
 }
 
 /// [`prepare`] for a body whose pool was already looked up.
 pub(crate) fn prepare_looked(
     fleet: &Fleet,
-    api: Api,
     looked: Looked<'_>,
-    body: &[u8],
     headers: &HeaderMap,
     peek: bool,
 ) -> Result<Prepared, RequestError> {
-    let Looked { pool, lora, head } = looked;
+    let Looked {
+        pool,
+        lora,
+        head,
+        request,
+    } = looked;
     let model = head
         .model
         .clone()
         .or_else(|| pool.models.first().cloned())
         .unwrap_or_default();
     let rules = pool.rules();
-    let (tokens, reuse, tokenize_error) = match tokenize(&rules, api, body) {
+    let (tokens, reuse, tokenize_error) = match request.and_then(|r| tokenize(&rules, &r)) {
         Ok((t, reuse)) => (t, reuse, None),
         Err(TokenizeError::InvalidRequest(m)) => return Err(RequestError::BadRequest(m)),
         Err(e) => {
@@ -189,17 +228,13 @@ pub(crate) fn prepare_looked(
     })
 }
 
-fn tokenize(rules: &Rules, api: Api, body: &[u8]) -> Result<(Vec<u32>, Reuse), TokenizeError> {
-    match api {
-        Api::Chat => {
-            let req = ChatRequest::from_json(body)?;
-            rules.tokenizer.encode_chat_reuse(&req)
-        }
-        Api::Completions => {
-            let req = CompletionRequest::from_json(body)?;
+fn tokenize(rules: &Rules, request: &Parsed) -> Result<(Vec<u32>, Reuse), TokenizeError> {
+    match request {
+        Parsed::Chat(req) => rules.tokenizer.encode_chat_reuse(req),
+        Parsed::Completions(req) => {
             // vLLM runs each prompt of a batch as its own request on the replica that got the
             // batch; the first prompt decides where the batch goes.
-            let prompts = rules.tokenizer.encode_completion_request(&req)?;
+            let prompts = rules.tokenizer.encode_completion_request(req)?;
             Ok((
                 prompts.into_iter().next().unwrap_or_default(),
                 Reuse::default(),

@@ -72,10 +72,9 @@ impl Picker {
         req: PickRequest<'_>,
     ) -> Result<Pick, RequestError> {
         let fleet = &self.fleet;
-        let looked = decide::lookup(fleet, req.body)?;
+        let looked = decide::lookup(fleet, api, req.body)?;
         let admitted = decide::admit(fleet, looked.pool, req.subset.as_deref()).await?;
-        let mut prepared =
-            decide::prepare_looked(fleet, api, looked, req.body, req.headers, false)?;
+        let mut prepared = decide::prepare_looked(fleet, looked, req.headers, false)?;
         prepared.subset = req.subset;
         // A gateway may fall back down the whole list.
         let mut routed = decide::route(fleet, prepared, usize::MAX);

@@ -65,7 +65,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(x) => x,
         Err(e) => return reject(&fleet, label, e),
     };
-    let looked = match decide::lookup(&fleet, &body) {
+    let looked = match decide::lookup(&fleet, api, &body) {
         Ok(l) => l,
         Err(e) => return reject(&fleet, label, e),
     };
@@ -73,7 +73,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(a) => a,
         Err(e) => return reject(&fleet, label, e),
     };
-    let prepared = match decide::prepare_looked(&fleet, api, looked, &body, &parts.headers, false) {
+    let prepared = match decide::prepare_looked(&fleet, looked, &parts.headers, false) {
         Ok(p) => p,
         Err(e) => return reject(&fleet, label, e),
     };

@@ -91,7 +91,10 @@ fn bench(c: &mut Criterion) {
         // The default path (native where the template has a native renderer) and minijinja
         // alone; both digests are printed and must agree.
         for (path, render) in [
-            ("default", Tokenizer::render_chat as fn(&Tokenizer, &ChatRequest) -> _),
+            (
+                "default",
+                Tokenizer::render_chat as fn(&Tokenizer, &ChatRequest) -> _,
+            ),
             ("minijinja", Tokenizer::render_chat_reference),
         ] {
             let mut digest = Sha256::new();
@@ -101,7 +104,10 @@ fn bench(c: &mut Criterion) {
             }
             let digest = digest.finalize();
             let hex: String = digest.iter().map(|b| format!("{b:02x}")).collect();
-            println!("{name} {path}: rendered {} requests, sha256 {hex}", all.len());
+            println!(
+                "{name} {path}: rendered {} requests, sha256 {hex}",
+                all.len()
+            );
             g.bench_function(format!("{name}/{path}"), |b| {
                 b.iter(|| {
                     for req in &sample {

@@ -48,6 +48,13 @@ pub struct ChatRequest {
     /// `--trust-request-chat-template`.
     #[serde(default)]
     pub chat_template: Option<String>,
+    /// Not read for tokenization: the model a router routes by, parsed with the rest so the
+    /// body is read once.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Not read for tokenization: vLLM's per-request salt of the block hashes.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 /// One message of a chat request.
@@ -142,6 +149,8 @@ impl ChatRequest {
             documents: None,
             reasoning_effort: None,
             chat_template: None,
+            model: None,
+            cache_salt: None,
         }
     }
 }
@@ -184,6 +193,13 @@ pub struct CompletionRequest {
     /// Add the tokenizer's special tokens (vLLM's default for completions: true).
     #[serde(default = "default_true")]
     pub add_special_tokens: bool,
+    /// Not read for tokenization: the model a router routes by, parsed with the rest so the
+    /// body is read once.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Not read for tokenization: vLLM's per-request salt of the block hashes.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
 }
 
 impl CompletionRequest {
