@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# router-syscalls.sh - the system calls `kinference serve` makes per request under load,
+# counted by the kernel's syscall tracepoints (`perf stat`), in the setup of
+# scripts/router-latency.sh: 4 simulated replicas with KV events on (one `kinference sim`
+# process, --speedup 100000), the router with --policy precise in front, wrk at 32 connections
+# with the developers' workload (8 shared ~4,000-character prefixes and a unique tail). A
+# warm-up of WARMUP, then DURATION counted. Prints each counted call per request and the total.
+#
+# Needs perf with access to the syscalls tracepoints (root, or kernel.perf_event_paranoid
+# low enough), wrk and curl.
+#
+# usage: scripts/router-syscalls.sh BINARY
+# env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s RESULTS=target/router-syscalls
+set -euo pipefail
+case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
+
+BIN=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+WARMUP=${WARMUP:-3s}
+DURATION=${DURATION:-4s}
+OUT=${RESULTS:-$REPO/target/router-syscalls}/$(date -u +%Y%m%d-%H%M%S)
+mkdir -p "$OUT"
+for tool in perf wrk curl; do
+  command -v "$tool" >/dev/null || { echo "router-syscalls.sh: needs $tool" >&2; exit 1; }
+done
+
+SIM_PID="" ROUTER_PID=""
+cleanup() { stop "$ROUTER_PID"; stop "$SIM_PID"; }
+trap cleanup EXIT
+
+"$BIN" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$TOKENIZER" \
+  --block-size 16 --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
+  >"$OUT/sim.out" 2>"$OUT/sim.err" &
+SIM_PID=$!
+for _ in $(seq 1 600); do
+  [ "$(grep -c '^replica=' "$OUT/sim.out" 2>/dev/null)" = 4 ] && break
+  kill -0 "$SIM_PID" 2>/dev/null || { tail -20 "$OUT/sim.err" >&2; exit 1; }
+  sleep 0.1
+done
+REPLICAS=()
+while read -r line; do
+  url=$(field "$line" url)
+  ev=$(dial "$(field "$line" events)")
+  rp=$(field "$line" replay)
+  REPLICAS+=(--replica "$url,events=$ev,replay=$rp")
+done < <(grep '^replica=' "$OUT/sim.out")
+
+NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" \
+  --block-size 16 --policy precise "${REPLICAS[@]}" >"$OUT/router.out" 2>"$OUT/router.err" &
+ROUTER_PID=$!
+read -r data _ < <(router_addrs "$OUT/router.err" "$ROUTER_PID" 60)
+URL=http://127.0.0.1:${data##*:}
+for _ in $(seq 1 100); do
+  curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
+    -d '{"model":"bench","prompt":"hello there","max_tokens":2}' >/dev/null && break
+  sleep 0.2
+done
+
+LUA=$HERE/router-latency.lua
+wrk -t2 -c32 -d"$WARMUP" -s "$LUA" "$URL" -- completions bench 8 "sysw$$" 4000 >/dev/null
+CALLS=(epoll_wait recvfrom writev poll sendto futex sched_yield)
+EVENTS=$(printf 'syscalls:sys_enter_%s,' "${CALLS[@]}")raw_syscalls:sys_enter
+perf stat -x, -e "$EVENTS" -p "$ROUTER_PID" -o "$OUT/perf.csv" &
+PERF_PID=$!
+sleep 0.3
+wrk -t2 -c32 -d"$DURATION" -s "$LUA" "$URL" -- completions bench 8 "sysm$$" 4000 >"$OUT/wrk.txt"
+kill -INT "$PERF_PID"
+wait "$PERF_PID" || true
+REQUESTS=$(awk '/requests in/ {print $1}' "$OUT/wrk.txt")
+echo "binary: $BIN"
+echo "requests: $REQUESTS (wrk, 32 connections, $DURATION)"
+awk -F, -v n="$REQUESTS" '$3 ~ /sys_enter/ {
+  name = $3; sub(/.*sys_enter_?/, "", name); if (name == "") name = "all system calls";
+  printf "%-18s %8.2f per request\n", name, $1 / n }' "$OUT/perf.csv"
+echo "raw outputs: $OUT"
