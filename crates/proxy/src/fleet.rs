@@ -635,13 +635,27 @@ pub(crate) struct WorkerLoad {
     pub prefill: AtomicU64,
     /// Requests this router started on the worker, ever (tells the scraper it was used).
     pub started: AtomicU64,
+    /// Scrapes recorded so far.
+    scrapes: AtomicU64,
+    /// This router's requests that started before the last scrape and have ended since.
+    ended_since_scrape: AtomicU32,
 }
 
 impl WorkerLoad {
+    /// The load a decision sees. The scraped gauges are a snapshot until the next scrape; this
+    /// router's own requests that started before it and have ended since are taken off them
+    /// (running first), so a request that a scrape caught running does not weigh on the worker
+    /// after it ended. (A request that started just before a scrape but had not reached the
+    /// engine is taken off too: the gauges may then read one low until the next scrape, while
+    /// the router's own count of what it has in flight stays exact.)
     pub fn load(&self) -> Load {
+        let ended = self.ended_since_scrape.load(Ordering::Relaxed);
+        let running = self.running.load(Ordering::Relaxed);
+        let waiting = self.waiting.load(Ordering::Relaxed);
+        let off_running = ended.min(running);
         Load {
-            running: self.running.load(Ordering::Relaxed),
-            waiting: self.waiting.load(Ordering::Relaxed),
+            running: running - off_running,
+            waiting: waiting.saturating_sub(ended - off_running),
             kv_usage: f64::from_bits(self.kv_usage.load(Ordering::Relaxed)),
             in_flight: self.in_flight.load(Ordering::Relaxed),
             in_flight_prefill_tokens: self.prefill.load(Ordering::Relaxed),
@@ -668,6 +682,28 @@ impl WorkerLoad {
         self.running.store(running, Ordering::Relaxed);
         self.waiting.store(waiting, Ordering::Relaxed);
         self.kv_usage.store(kv_usage.to_bits(), Ordering::Relaxed);
+        self.ended_since_scrape.store(0, Ordering::Relaxed);
+        self.scrapes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a request of this router's as started; returns the scrape count it started at.
+    fn begin(&self, prefill: u64) -> u64 {
+        self.in_flight.fetch_add(1, Ordering::Relaxed);
+        self.prefill.fetch_add(prefill, Ordering::Relaxed);
+        self.started.fetch_add(1, Ordering::Relaxed);
+        self.scrapes.load(Ordering::Relaxed)
+    }
+
+    /// Counts a request that [`WorkerLoad::begin`] started (at scrape count `scrapes`) as
+    /// ended, with `prefill` tokens of it still counted as prefilling.
+    fn end(&self, scrapes: u64, prefill: u64) {
+        if prefill > 0 {
+            self.prefill.fetch_sub(prefill, Ordering::Relaxed);
+        }
+        self.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if self.scrapes.load(Ordering::Relaxed) != scrapes {
+            self.ended_since_scrape.fetch_add(1, Ordering::Relaxed);
+        }
     }
 }
 
@@ -677,6 +713,8 @@ pub(crate) struct InFlight {
     replica: Arc<Replica>,
     rank: usize,
     prefill: u64,
+    /// The worker's scrape count when the request started.
+    scrapes: u64,
     changed: Arc<watch::Sender<u64>>,
 }
 
@@ -687,16 +725,13 @@ impl InFlight {
         prefill: u64,
         changed: Arc<watch::Sender<u64>>,
     ) -> Self {
-        if let Some(w) = replica.workers.get(rank) {
-            w.in_flight.fetch_add(1, Ordering::Relaxed);
-            w.prefill.fetch_add(prefill, Ordering::Relaxed);
-            w.started.fetch_add(1, Ordering::Relaxed);
-        }
+        let scrapes = replica.workers.get(rank).map_or(0, |w| w.begin(prefill));
         bump(&changed);
         InFlight {
             replica,
             rank,
             prefill,
+            scrapes,
             changed,
         }
     }
@@ -716,10 +751,7 @@ impl InFlight {
 impl Drop for InFlight {
     fn drop(&mut self) {
         if let Some(w) = self.replica.workers.get(self.rank) {
-            if self.prefill > 0 {
-                w.prefill.fetch_sub(self.prefill, Ordering::Relaxed);
-            }
-            w.in_flight.fetch_sub(1, Ordering::Relaxed);
+            w.end(self.scrapes, self.prefill);
         }
         if let Some(room) = &self.replica.room {
             // One request ended, one place freed: one waiter (the first) looks again.
@@ -897,4 +929,47 @@ pub(crate) async fn subscribe(
     };
     plane.add_replica(rcfg).await?;
     Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A request a scrape caught running stops weighing on the worker when it ends; requests
+    /// that started after the scrape, and other clients' load, stay counted until the next.
+    #[test]
+    fn requests_ended_since_a_scrape_leave_its_gauges() {
+        let w = WorkerLoad::default();
+        let a = w.begin(100);
+        let b = w.begin(0);
+        // The scrape sees both of ours running and one other client's request waiting.
+        w.set_scraped(2, 1, 0.5);
+        let c = w.begin(0);
+        let l = w.load();
+        assert_eq!((l.running, l.waiting, l.in_flight), (2, 1, 3));
+        w.end(a, 100);
+        let l = w.load();
+        assert_eq!(
+            (
+                l.running,
+                l.waiting,
+                l.in_flight,
+                l.in_flight_prefill_tokens
+            ),
+            (1, 1, 2, 0)
+        );
+        // `c` started after the scrape, which did not count it: its end changes no gauge.
+        w.end(c, 0);
+        assert_eq!((w.load().running, w.load().waiting), (1, 1));
+        // More ended than the scrape saw running: the rest comes off waiting, never below 0.
+        w.end(b, 0);
+        let d = w.begin(0);
+        w.set_scraped(0, 1, 0.5);
+        w.end(d, 0);
+        let l = w.load();
+        assert_eq!((l.running, l.waiting, l.in_flight), (0, 0, 0));
+        // A new scrape starts the count again.
+        w.set_scraped(1, 0, 0.5);
+        assert_eq!(w.load().running, 1);
+    }
 }
