@@ -234,11 +234,8 @@ fn tokenize(rules: &Rules, request: &Parsed) -> Result<(Vec<u32>, Reuse), Tokeni
         Parsed::Completions(req) => {
             // vLLM runs each prompt of a batch as its own request on the replica that got the
             // batch; the first prompt decides where the batch goes.
-            let prompts = rules.tokenizer.encode_completion_request(req)?;
-            Ok((
-                prompts.into_iter().next().unwrap_or_default(),
-                Reuse::default(),
-            ))
+            let (prompts, reuse) = rules.tokenizer.encode_completion_request_reuse(req)?;
+            Ok((prompts.into_iter().next().unwrap_or_default(), reuse))
         }
     }
 }
@@ -284,9 +281,12 @@ fn chain_digests(
 ) -> Vec<BlockDigest> {
     let bs = hasher.block_size();
     let key = HasherKey::of(hasher);
+    // The special tokens in front of the entry's ids (a completions prompt's BOS) are part of
+    // what the kept digests were computed from.
+    let front = tokens.get(..reuse.at).unwrap_or_default();
     let reused = reuse.from.as_ref().and_then(|(entry, ids)| {
         let chain = entry.attached()?.downcast_ref::<ChainDigests>()?;
-        (chain.key == key).then_some((chain, *ids))
+        (chain.key == key && chain.front == front).then_some((chain, reuse.at + *ids))
     });
     let extras = RequestExtras::default();
     let digests = match reused {
@@ -305,6 +305,7 @@ fn chain_digests(
             let bytes = digests.len() * std::mem::size_of::<BlockDigest>() + 64;
             let chain = ChainDigests {
                 key,
+                front: front.to_vec(),
                 digests: digests.clone(),
             };
             tokenizer.attach(stored, Box::new(chain), bytes);
@@ -336,6 +337,8 @@ impl HasherKey {
 /// shared by pools with other hashing keeps the first one's).
 struct ChainDigests {
     key: HasherKey,
+    /// The ids in front of the entry's (special tokens) when these digests were computed.
+    front: Vec<u32>,
     digests: Vec<BlockDigest>,
 }
 
@@ -808,5 +811,67 @@ mod tests {
             }
         }
         assert!(reused_from_entries > 20, "{reused_from_entries}");
+    }
+
+    /// The same for completions prompts, whose ids carry a BOS in front of the cached ids
+    /// (or not, with `add_special_tokens: false`): prompts that grow, share a document, or
+    /// repeat with a short new tail, through two hashers and an evicting cache.
+    #[test]
+    fn completion_digests_kept_with_cache_entries_equal_computed_ones() {
+        let options = TokenizerOptions {
+            cache_capacity_bytes: 150_000,
+            ..TokenizerOptions::default()
+        };
+        let dir = kinference_testkit::shared("data/tokenizers/llama3.1");
+        let tokenizer = Tokenizer::from_dir_with(dir, options).unwrap();
+        let hashers = [
+            BlockHasher::new(HashAlgo::Sha256, 16, None, ExtraKeysFormat::Tagged).unwrap(),
+            BlockHasher::new(HashAlgo::Sha256Cbor, 4, Some("7"), ExtraKeysFormat::Tagged).unwrap(),
+        ];
+        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut step = |n: u64| {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng % n
+        };
+        let docs: Vec<String> = (0..4)
+            .map(|d| format!("Document {d}. ") + &"The river runs past the old mill. ".repeat(60))
+            .collect();
+        let (mut reused_from_entries, mut with_bos) = (0, 0);
+        for round in 0..60u64 {
+            let mut prompt = docs[step(4) as usize].clone();
+            for grow in 0..4u64 {
+                let words = 5 + step(80);
+                let more: String = (0..words)
+                    .map(|w| format!("q{round}-{grow}-{} ", (w * 13 + step(40)) % 71))
+                    .collect();
+                prompt.push_str(&more);
+                let add = step(4) != 0;
+                let body =
+                    serde_json::json!({"model": "m", "prompt": prompt, "add_special_tokens": add});
+                let req = CompletionRequest::from_json(body.to_string().as_bytes()).unwrap();
+                let (prompts, reuse) = tokenizer.encode_completion_request_reuse(&req).unwrap();
+                let tokens = &prompts[0];
+                assert_eq!(tokens, &tokenizer.encode_uncached(&prompt, add).unwrap());
+                let h = &hashers[step(2) as usize];
+                if reuse
+                    .from
+                    .as_ref()
+                    .and_then(|(e, _)| e.attached()?.downcast_ref::<ChainDigests>())
+                    .is_some_and(|c| c.key == HasherKey::of(h) && c.front == tokens[..reuse.at])
+                {
+                    reused_from_entries += 1;
+                    with_bos += usize::from(reuse.at > 0);
+                }
+                let got = chain_digests(h, &tokenizer, tokens, &reuse);
+                let want = h.hash_blocks(tokens, &RequestExtras::default());
+                assert_eq!(got, want, "round {round} growth {grow}");
+            }
+        }
+        assert!(
+            reused_from_entries > 40 && with_bos > 20,
+            "{reused_from_entries} {with_bos}"
+        );
     }
 }

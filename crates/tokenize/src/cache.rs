@@ -123,15 +123,18 @@ impl EntryRef {
     }
 }
 
-/// What the cache did for one text: the entry whose ids it reused, with how many leading ids
-/// of the result are that entry's ids, and the entry that now holds the text (a new one, or the
-/// one it repeats). Both `None` when the text bypassed the cache; `stored` alone is `None` when
+/// What the cache did for one text: the entry whose ids it reused, with how many ids of the
+/// result, from index `at`, are that entry's ids, and the entry that now holds the text (a new
+/// one, or the one it repeats). `at` is 0 unless special tokens were added in front of the
+/// cached ids (a completions prompt's BOS). Both `None` when the text bypassed the cache; `stored` alone is `None` when
 /// the text reused an entry but added too little to be stored itself (see `MIN_NEW_BYTES`) or
 /// did not fit.
 #[derive(Clone, Debug, Default)]
 pub struct Reuse {
     pub from: Option<(EntryRef, usize)>,
     pub stored: Option<EntryRef>,
+    /// Where the entry's ids begin in the result: the number of special tokens added in front.
+    pub at: usize,
 }
 
 #[derive(Debug, Default)]
@@ -177,12 +180,8 @@ impl PrefixCache {
         s
     }
 
-    /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work.
-    pub(crate) fn encode(&self, enc: &Encoder, text: &str) -> Result<Vec<u32>> {
-        Ok(self.encode_reuse(enc, text)?.0)
-    }
-
-    /// [`PrefixCache::encode`], saying which entries it reused and stored.
+    /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work,
+    /// and which entries it reused and stored.
     pub(crate) fn encode_reuse(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Reuse)> {
         if !enc.split_safe || text.len() < MIN_LEVEL || self.capacity == 0 {
             return Ok((enc.encode(text, false)?, Reuse::default()));
@@ -197,6 +196,7 @@ impl PrefixCache {
                 let reuse = Reuse {
                     from: Some((here.clone(), ids.len())),
                     stored: Some(here),
+                    at: 0,
                 };
                 return Ok((ids, reuse));
             }
@@ -212,6 +212,7 @@ impl PrefixCache {
                     let reuse = Reuse {
                         from: Some((EntryRef { entry, id }, t)),
                         stored: None,
+                        at: 0,
                     };
                     return Ok((ids, reuse));
                 }
@@ -244,12 +245,20 @@ impl PrefixCache {
             attached: OnceLock::new(),
         };
         let stored = self.insert(entry, superseded);
-        Ok((out, Reuse { from, stored }))
+        Ok((
+            out,
+            Reuse {
+                from,
+                stored,
+                at: 0,
+            },
+        ))
     }
 
     /// Keeps `value` (`bytes` of memory, counted against the capacity) with `entry`, unless
     /// something is attached already or the entry has left the cache. `value` must be a
-    /// function of the entry's ids alone: a later text reusing them reads it back.
+    /// function of the entry's ids (and of anything it carries to check that, such as the
+    /// special tokens in front of them): a later text reusing them reads it back.
     pub fn attach(&self, entry: &EntryRef, value: Box<dyn Any + Send + Sync>, bytes: usize) {
         let mut g = self.lock();
         let present = g

@@ -331,6 +331,11 @@ impl Encoder {
         Some(out)
     }
 
+    /// How many special tokens [`Encoder::add_special_affixes`] puts in front, when it can.
+    pub fn special_prefix_len(&self) -> Option<usize> {
+        self.special_affixes.as_ref().map(|(pre, _)| pre.len())
+    }
+
     fn probe_special_affixes(&self) -> Option<(Vec<u32>, Vec<u32>)> {
         let mut found: Option<(Vec<u32>, Vec<u32>)> = None;
         for probe in ["a", "Hello world", "x y z 123"] {

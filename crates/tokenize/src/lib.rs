@@ -202,13 +202,25 @@ impl Tokenizer {
 
     /// `tokenizer.encode(text, add_special_tokens=...)`, through the prefix cache.
     pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
+        Ok(self.encode_text_reuse(text, add_special_tokens)?.0)
+    }
+
+    /// [`Tokenizer::encode_text`], with the prefix cache's [`Reuse`] (its `at` counts the
+    /// special tokens added in front of the cached ids). Empty when the special tokens could not
+    /// be added around cached ids.
+    pub fn encode_text_reuse(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+    ) -> Result<(Vec<u32>, Reuse)> {
+        let (core, reuse) = self.cache.encode_reuse(&self.encoder, text)?;
         if !add_special_tokens {
-            return self.cache.encode(&self.encoder, text);
+            return Ok((core, reuse));
         }
-        let core = self.cache.encode(&self.encoder, text)?;
-        match self.encoder.add_special_affixes(core) {
-            Some(ids) => Ok(ids),
-            None => self.encoder.encode(text, true),
+        let at = self.encoder.special_prefix_len();
+        match (self.encoder.add_special_affixes(core), at) {
+            (Some(ids), Some(at)) => Ok((ids, Reuse { at, ..reuse })),
+            _ => Ok((self.encoder.encode(text, true)?, Reuse::default())),
         }
     }
 
@@ -220,8 +232,22 @@ impl Tokenizer {
     /// The ids of each prompt of a completions request (one list per prompt; see the crate docs).
     /// Empty prompts are refused, as vLLM refuses them.
     pub fn encode_completion_request(&self, req: &CompletionRequest) -> Result<Vec<Vec<u32>>> {
+        Ok(self.encode_completion_request_reuse(req)?.0)
+    }
+
+    /// [`Tokenizer::encode_completion_request`], with the prefix cache's [`Reuse`] for a single
+    /// text prompt (empty for the other forms).
+    pub fn encode_completion_request_reuse(
+        &self,
+        req: &CompletionRequest,
+    ) -> Result<(Vec<Vec<u32>>, Reuse)> {
+        let mut reuse = Reuse::default();
         let out = match &req.prompt {
-            CompletionPrompt::Text(t) => vec![self.encode_text(t, req.add_special_tokens)?],
+            CompletionPrompt::Text(t) => {
+                let (ids, r) = self.encode_text_reuse(t, req.add_special_tokens)?;
+                reuse = r;
+                vec![ids]
+            }
             CompletionPrompt::Ids(ids) => vec![ids.clone()],
             CompletionPrompt::Texts(ts) => ts
                 .iter()
@@ -234,7 +260,7 @@ impl Tokenizer {
                 "prompt cannot be empty".into(),
             ));
         }
-        Ok(out)
+        Ok((out, reuse))
     }
 
     fn template_for(&self, req: &ChatRequest) -> Result<&Template> {
@@ -301,17 +327,13 @@ impl Tokenizer {
         Ok(self.encode_chat_reuse(req)?.0)
     }
 
-    /// [`Tokenizer::encode_chat`], with the prefix cache's [`Reuse`]: the ids are the cached
-    /// entries' ids exactly (no special tokens added around them), so what a caller attaches
-    /// to `stored` ([`Tokenizer::attach`]) it can read back from a later request's `from`,
-    /// for as many leading ids as `from` says. Empty when special tokens are added.
+    /// [`Tokenizer::encode_chat`], with the prefix cache's [`Reuse`]: the ids from `at` on
+    /// are the cached entries' ids, so what a caller attaches to `stored`
+    /// ([`Tokenizer::attach`]) it can read back from a later request's `from`, for as many ids
+    /// as `from` says.
     pub fn encode_chat_reuse(&self, req: &ChatRequest) -> Result<(Vec<u32>, Reuse)> {
         let text = self.render_chat(req)?;
-        let (ids, reuse) = if req.add_special_tokens {
-            (self.encode_text(&text, true)?, Reuse::default())
-        } else {
-            self.cache.encode_reuse(&self.encoder, &text)?
-        };
+        let (ids, reuse) = self.encode_text_reuse(&text, req.add_special_tokens)?;
         if ids.is_empty() {
             return Err(TokenizeError::InvalidRequest(
                 "the rendered prompt is empty".into(),
