@@ -11,9 +11,9 @@ use crate::tracker::{Inserted, PrefixTracker};
 use crate::types::{Candidate, Decision, Reason, RequestCtx};
 
 /// What one [`Policy::apply`] recorded, to take back with [`Policy::undo`] (empty for
-/// policies that keep no record).
+/// policies that keep no record): the receipt, and the position of the first block recorded.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Applied(Option<Inserted>);
+pub struct Applied(Option<(usize, Inserted)>);
 
 /// A configured policy. `select` is pure; `apply` records a decision's effects.
 #[derive(Clone, Debug)]
@@ -142,27 +142,54 @@ impl Policy {
 
     /// Records a decision's effects on this policy's state: the chosen worker is assumed to
     /// hold the request's blocks from `now` (speculatively, or in the approximate record).
-    /// The receipt takes them back ([`Policy::undo`]) if the worker never ran the request.
+    /// The precise policy records only the blocks past those the index confirmed for that
+    /// worker when it was scored (its credits read the record from there on,
+    /// [`PrefixTracker::prefix_len_beyond`]): the confirmed ones are the events' to keep, and
+    /// recording them again would cost a probe each and would keep crediting a block the
+    /// worker evicted meanwhile. The receipt takes it back ([`Policy::undo`]) if the worker
+    /// never ran the request.
     pub fn apply(&mut self, decision: &Decision, hashes: &[BlockHash], now: Duration) -> Applied {
-        match decision.chosen() {
-            Some(w) => self.apply_to(w, hashes, now),
-            None => Applied(None),
-        }
+        let Some(w) = decision.chosen() else {
+            return Applied(None);
+        };
+        let confirmed = match self.config {
+            PolicyConfig::Precise(_) => decision
+                .scores
+                .iter()
+                .find(|s| s.worker == w)
+                .map_or(0, |s| s.gpu_blocks.saturating_sub(s.speculative_blocks)),
+            _ => 0,
+        };
+        self.record(w, hashes, confirmed as usize, now)
     }
 
-    /// [`Policy::apply`] for a decision that chose `worker`.
+    /// Records that `worker` is assumed to hold all of `hashes` from `now` (a request sent
+    /// there without a decision, such as a warm-up).
     pub fn apply_to(&mut self, worker: WorkerId, hashes: &[BlockHash], now: Duration) -> Applied {
-        match self.tracker.as_mut() {
-            Some(t) => Applied(Some(t.insert(worker, hashes, now))),
-            None => Applied(None),
+        self.record(worker, hashes, 0, now)
+    }
+
+    fn record(
+        &mut self,
+        worker: WorkerId,
+        hashes: &[BlockHash],
+        from: usize,
+        now: Duration,
+    ) -> Applied {
+        let from = from.min(hashes.len());
+        match (self.tracker.as_mut(), hashes.get(from..)) {
+            (Some(t), Some(rest)) => Applied(Some((from, t.insert(worker, rest, now)))),
+            _ => Applied(None),
         }
     }
 
     /// Takes back what [`Policy::apply`] recorded for a request its worker refused or failed
     /// before answering (`hashes` as given to `apply`): entries a later request refreshed stay.
     pub fn undo(&mut self, applied: Applied, hashes: &[BlockHash], now: Duration) {
-        if let (Some(t), Some(receipt)) = (self.tracker.as_mut(), applied.0) {
-            t.undo(receipt, hashes, now);
+        if let (Some(t), Some((from, receipt))) = (self.tracker.as_mut(), applied.0) {
+            if let Some(rest) = hashes.get(from..) {
+                t.undo(receipt, rest, now);
+            }
         }
     }
 

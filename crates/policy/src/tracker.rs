@@ -179,10 +179,12 @@ impl PrefixTracker {
         n
     }
 
-    /// [`PrefixTracker::prefix_len`] when it exceeds `known`, else 0: for a caller that already
-    /// credits `worker` with `known` leading blocks and only needs to know whether the record
-    /// lengthens that. One probe (block `known`) answers most calls: a worker's record can only
-    /// reach past `known` if it holds that block.
+    /// How far the record lengthens a prefix of `known` leading blocks that the caller
+    /// already credits `worker` with (from the index): `known` plus the run of blocks
+    /// `worker` holds live from block `known` on, or 0 when it holds not even block `known`.
+    /// The record need not hold the first `known` blocks: the precise policy records only
+    /// what the index did not confirm when it routed ([`crate::Policy::apply`]). One probe
+    /// (block `known`) answers most calls.
     pub fn prefix_len_beyond(
         &self,
         worker: WorkerId,
@@ -190,17 +192,12 @@ impl PrefixTracker {
         known: u32,
         now: Duration,
     ) -> u32 {
-        let held = |h: &BlockHash| self.live.get(&(*h, worker)).is_some_and(|&(d, _)| d > now);
-        match hashes.get(known as usize) {
-            Some(h) if held(h) => {
-                let n = self.prefix_len(worker, hashes, now);
-                if n > known {
-                    n
-                } else {
-                    0
-                }
-            }
-            _ => 0,
+        let Some(rest) = hashes.get(known as usize..) else {
+            return 0;
+        };
+        match self.prefix_len(worker, rest, now) {
+            0 => 0,
+            n => known.saturating_add(n),
         }
     }
 

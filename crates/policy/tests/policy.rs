@@ -441,6 +441,52 @@ fn speculation_does_not_double_count_confirmed_blocks() {
     assert_eq!(d2.scores[0].speculative_blocks, 4);
 }
 
+/// The record keeps only what the index had not confirmed for the chosen worker: the
+/// confirmed blocks are the events' to keep (and to take away when the worker evicts one).
+#[test]
+fn speculation_records_only_the_blocks_the_index_had_not_confirmed() {
+    let mut p = precise();
+    let mut c = fleet(2);
+    c[0].cache = gpu(6);
+    let h = hashes(7, 10);
+    let t0 = Duration::from_secs(1);
+    let d = p.select(&ctx(&h, 0), &c, t0);
+    assert_eq!(d.chosen(), Some(w(0)));
+    let applied = p.apply(&d, &h, t0);
+    assert_eq!(p.tracked_entries(), 4, "blocks 6..10 only");
+
+    // Before the events come: the index's 6, lengthened to all 10.
+    let t1 = t0 + Duration::from_millis(10);
+    let s = p.select(&ctx(&h, 1), &c, t1);
+    assert_eq!(
+        (s.scores[0].gpu_blocks, s.scores[0].speculative_blocks),
+        (10, 4)
+    );
+
+    // The worker evicted block 3 meanwhile: the credit stops there, as the index does.
+    c[0].cache = gpu(3);
+    let s = p.select(&ctx(&h, 2), &c, t1);
+    assert_eq!(
+        s.scores
+            .iter()
+            .find(|s| s.worker == w(0))
+            .unwrap()
+            .gpu_blocks,
+        3
+    );
+
+    // A refusal takes back exactly what was recorded.
+    p.undo(applied, &h, t1);
+    assert_eq!(p.tracked_entries(), 0);
+
+    // A fallback that answered records from its own confirmed prefix (none here).
+    c[0].cache = gpu(6);
+    let mut landed = p.select(&ctx(&h, 3), &c, t1);
+    landed.ranked = vec![w(1)];
+    let _kept = p.apply(&landed, &h, t1);
+    assert_eq!(p.tracked_entries(), 10);
+}
+
 #[test]
 fn approximate_learns_from_what_it_routed() {
     let mut p = Policy::new(PolicyConfig::Approximate(ApproximateConfig::default()));

@@ -82,6 +82,12 @@ fn tracker_matches_the_naive_model() {
                 5 => {
                     t.expire(now);
                 }
+                // Only what an index did not confirm: the blocks from some point on.
+                6..=7 => {
+                    let from = rng.gen_range(0..=hs.len());
+                    t.insert(w, &hs[from..], now);
+                    n.insert(w, &hs[from..], now, ttl, cap);
+                }
                 _ => {}
             }
             for r in 0..4 {
@@ -92,11 +98,14 @@ fn tracker_matches_the_naive_model() {
                     want,
                     "seed {seed} step {step} worker {r}"
                 );
-                // What lengthens a known prefix: the whole prefix when longer, else 0.
+                // What lengthens a known prefix: the run held from block `known` on.
                 for known in 0..=hs.len() as u32 + 1 {
+                    let run = hs
+                        .get(known as usize..)
+                        .map_or(0, |rest| n.prefix_len(qw, rest, now));
                     assert_eq!(
                         t.prefix_len_beyond(qw, &hs, known, now),
-                        if want > known { want } else { 0 },
+                        if run > 0 { known + run } else { 0 },
                         "seed {seed} step {step} worker {r} known {known}"
                     );
                 }
