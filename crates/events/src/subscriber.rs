@@ -11,6 +11,7 @@
 //!   carrying it, tagged with the stale epoch current when it was sent.
 
 use std::collections::VecDeque;
+use std::pin::Pin;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -19,7 +20,7 @@ use kinference_vllm::events::codec::decode_batch;
 use kinference_vllm::{BlockStored, KvEvent};
 use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::backoff::Backoff;
 use crate::config::EventPlaneConfig;
@@ -91,6 +92,10 @@ pub(crate) struct SubscriberSpec {
 
 pub(crate) struct Subscriber {
     spec: SubscriberSpec,
+    /// `spec.cancel` fired: one registration with the token for the task's life, polled by
+    /// the per-message waits (a fresh `cancelled()` there would register and unregister
+    /// under the token's lock for every message).
+    stop: Pin<Box<WaitForCancellationFutureOwned>>,
     rx: mpsc::Receiver<ReaderEvent>,
     seq: Sequencer,
     /// The sync state the index reaches once everything sent so far is applied.
@@ -133,6 +138,7 @@ pub(crate) async fn run(spec: SubscriberSpec, routed: Option<mpsc::Receiver<Read
         }
     };
     let mut sub = Subscriber {
+        stop: Box::pin(spec.cancel.clone().cancelled_owned()),
         spec,
         rx,
         seq: Sequencer::default(),
@@ -194,7 +200,7 @@ impl Subscriber {
         loop {
             let event = tokio::select! {
                 biased;
-                _ = self.spec.cancel.cancelled() => return Err(Stop),
+                _ = &mut self.stop => return Err(Stop),
                 ev = self.rx.recv() => ev.ok_or(Stop)?,
             };
             if let Some(msg) = self.on_reader_event(event) {
@@ -336,7 +342,9 @@ impl Subscriber {
             self.target = SyncState::Synced;
         }
         if let Some((block_size, root)) = stored_facts(&batch.events) {
-            self.spec.health.send_modify(|h| {
+            // Most batches repeat the block size and store no root block: nothing to tell.
+            self.spec.health.send_if_modified(|h| {
+                let changed = h.stored_block_size != Some(block_size) || root.is_some();
                 h.stored_block_size = Some(block_size);
                 if let Some(root) = root {
                     if h.root_samples.len() >= ROOT_SAMPLES {
@@ -344,6 +352,7 @@ impl Subscriber {
                     }
                     h.root_samples.push_back(root);
                 }
+                changed
             });
         }
         let update = Update::Batch {
@@ -362,7 +371,7 @@ impl Subscriber {
         }
         tokio::select! {
             biased;
-            _ = self.spec.cancel.cancelled() => Err(Stop),
+            _ = &mut self.stop => Err(Stop),
             r = self.spec.writer.send(env) => r.map_err(|_| Stop),
         }
     }

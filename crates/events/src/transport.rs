@@ -98,10 +98,14 @@ async fn read_until_cancelled(
     let mut monitor_open = true;
     let peers = peer_events(&mut stream.monitor);
     tokio::pin!(peers);
+    // One registration with the token for the task's life: a fresh `cancelled()` in each
+    // select registers and unregisters under the token's lock, twice per message.
+    let cancelled = cancel.cancelled();
+    tokio::pin!(cancelled);
     loop {
         let event = tokio::select! {
             biased;
-            _ = cancel.cancelled() => return,
+            _ = &mut cancelled => return,
             ev = peers.next(), if monitor_open => match ev {
                 Some(Ok(PeerEvent::Up)) => ReaderEvent::PeerUp,
                 Some(Ok(PeerEvent::Down)) => ReaderEvent::PeerDown,
@@ -127,12 +131,12 @@ async fn read_until_cancelled(
         let failed = matches!(event, ReaderEvent::Error(_));
         tokio::select! {
             biased;
-            _ = cancel.cancelled() => return,
+            _ = &mut cancelled => return,
             sent = tx.send(event) => if sent.is_err() { return },
         }
         if failed {
             tokio::select! {
-                _ = cancel.cancelled() => return,
+                _ = &mut cancelled => return,
                 _ = backoff.wait() => {}
             }
         }

@@ -34,7 +34,7 @@ pub enum Update {
 pub(crate) struct Envelope {
     pub worker: WorkerId,
     pub update: Option<Update>,
-    pub health: Option<Arc<watch::Sender<WorkerHealth>>>,
+    pub health: Option<HealthTx>,
     pub sync_after: Option<(SyncState, u64)>,
     pub replayed: bool,
     pub ack: Option<oneshot::Sender<()>>,
@@ -53,6 +53,8 @@ impl Envelope {
     }
 }
 
+type HealthTx = Arc<watch::Sender<WorkerHealth>>;
+
 pub(crate) struct Writer {
     pub index: Arc<RwLock<Index>>,
     pub rx: mpsc::Receiver<Envelope>,
@@ -64,10 +66,14 @@ pub(crate) struct Writer {
 impl Writer {
     pub async fn run(mut self) {
         let mut buf = Vec::with_capacity(self.batch_max);
+        // Registered with the token once, not in each turn's selects.
+        let cancel = self.cancel.clone();
+        let cancelled = cancel.cancelled();
+        tokio::pin!(cancelled);
         loop {
             let first = tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => break,
+                _ = &mut cancelled => break,
                 m = self.rx.recv() => match m {
                     Some(m) => m,
                     None => break,
@@ -82,7 +88,7 @@ impl Writer {
             }
             let _gate = tokio::select! {
                 biased;
-                _ = self.cancel.cancelled() => break,
+                _ = &mut cancelled => break,
                 g = self.pause.read() => g,
             };
             self.apply_all(&mut buf);
@@ -106,10 +112,23 @@ impl Writer {
                 applied.push((env, entries));
             }
         }
+        // One publication per worker however many of its batches were applied (each wakes
+        // the channel's waiters), its changes made in the order they were applied.
+        let mut groups: Vec<(&HealthTx, Vec<(usize, &Envelope)>)> = Vec::new();
         for (env, entries) in &applied {
             if let (Some(health), Some(entries)) = (&env.health, entries) {
-                publish(*entries, env, health);
+                match groups.iter_mut().find(|(h, _)| Arc::ptr_eq(h, health)) {
+                    Some((_, changes)) => changes.push((*entries, env)),
+                    None => groups.push((health, vec![(*entries, env)])),
+                }
             }
+        }
+        for (health, changes) in groups {
+            health.send_modify(|h| {
+                for (entries, env) in changes {
+                    publish(h, entries, env);
+                }
+            });
         }
         for (env, _) in applied {
             if let Some(ack) = env.ack {
@@ -137,22 +156,21 @@ fn apply_one(index: &mut Index, env: &Envelope) {
     }
 }
 
-fn publish(entries: usize, env: &Envelope, health: &watch::Sender<WorkerHealth>) {
-    health.send_modify(|h| {
-        h.entries = entries;
-        if let Some(Update::Batch { seq, .. }) = &env.update {
-            h.applied_seq = Some(*seq);
-            h.batches_applied += 1;
-            if env.replayed {
-                h.replayed_batches += 1;
-            }
+/// What applying `env` changed in its worker's health (`entries`: what the index held then).
+fn publish(h: &mut WorkerHealth, entries: usize, env: &Envelope) {
+    h.entries = entries;
+    if let Some(Update::Batch { seq, .. }) = &env.update {
+        h.applied_seq = Some(*seq);
+        h.batches_applied += 1;
+        if env.replayed {
+            h.replayed_batches += 1;
         }
-        if let Some((sync, epoch)) = env.sync_after {
-            if h.stale_epoch == epoch {
-                h.set_sync(sync);
-            }
+    }
+    if let Some((sync, epoch)) = env.sync_after {
+        if h.stale_epoch == epoch {
+            h.set_sync(sync);
         }
-    });
+    }
 }
 
 #[cfg(test)]
@@ -166,6 +184,66 @@ mod tests {
 
     use super::*;
     use crate::testing::stored;
+
+    /// Batches of two workers drained in one turn (published once per worker): each worker's
+    /// health ends as if every batch had been published on its own, in order.
+    #[test]
+    fn one_turn_publishes_all_of_each_workers_changes_in_order() {
+        let index = Arc::new(RwLock::new(Index::new()));
+        let (_tx, chan) = mpsc::channel(1);
+        let writer = Writer {
+            index: index.clone(),
+            rx: chan,
+            batch_max: 8,
+            pause: Arc::default(),
+            cancel: CancellationToken::new(),
+        };
+        let workers = [1, 2].map(|r| WorkerId::new(ReplicaId(r), DpRank(0)));
+        let healths = workers.map(|w| {
+            let (tx, rx) = watch::channel(WorkerHealth::new(w, "tcp://x:1".into()));
+            (Arc::new(tx), rx)
+        });
+        let mut buf = Vec::new();
+        for (i, (seq, hashes, parent)) in [
+            (0, vec![11, 12], None),
+            (1, vec![13], Some(12)),
+            (2, vec![14, 15], Some(13)),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            // Worker 1 gets batches 0 and 2 (the second replayed), worker 2 batch 1.
+            let w = i % 2;
+            let mut env = Envelope::new(
+                workers[w],
+                Some(Update::Batch {
+                    seq,
+                    batch: stored(&hashes, parent),
+                }),
+            );
+            env.health = Some(healths[w].0.clone());
+            env.replayed = i == 2;
+            env.sync_after = Some((SyncState::Synced, 0));
+            buf.push(env);
+        }
+        let (txs, mut rxs): (Vec<_>, Vec<_>) = healths.into_iter().unzip();
+        for rx in &mut rxs {
+            rx.mark_unchanged();
+        }
+        writer.apply_all(&mut buf);
+        let h1 = rxs[0].borrow_and_update().clone();
+        assert_eq!(h1.entries, 4);
+        assert_eq!(h1.applied_seq, Some(2));
+        assert_eq!((h1.batches_applied, h1.replayed_batches), (2, 1));
+        assert_eq!(h1.sync, SyncState::Synced);
+        let h2 = rxs[1].borrow_and_update().clone();
+        assert_eq!(
+            (h2.entries, h2.applied_seq, h2.batches_applied),
+            (1, Some(1), 1)
+        );
+        assert_eq!(index.read().worker_entries(workers[0]), 4);
+        drop(txs);
+    }
 
     /// A reader holding a health borrow (as a `wait_for` predicate does) while it reads the
     /// index must not deadlock with the writer publishing that health: the writer has to let
