@@ -6,6 +6,10 @@
 //! the last complete occurrence seen (vLLM's usage object appears once, in the last chunk or in
 //! the whole JSON body).
 
+use std::sync::LazyLock;
+
+use memchr::memmem;
+
 const KEY: &[u8] = b"\"cached_tokens\"";
 /// Enough for the key, whitespace, a colon and a 20-digit number.
 const TAIL: usize = 64;
@@ -52,7 +56,7 @@ impl UsageScanner {
     /// Records every complete `key: digits` in `buf`, in order.
     fn scan(&mut self, buf: &[u8]) {
         let mut from = 0;
-        while let Some(pos) = find(&buf[from..], KEY) {
+        while let Some(pos) = find_key(&buf[from..]) {
             let mut i = from + pos + KEY.len();
             from = i;
             i = skip_ws(buf, i);
@@ -88,8 +92,12 @@ fn skip_ws(buf: &[u8], mut i: usize) -> usize {
     i
 }
 
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    hay.windows(needle.len()).position(|w| w == needle)
+/// The key's searcher, built once (SIMD where the CPU has it): every byte of every response
+/// passes through [`UsageScanner::scan`].
+static FINDER: LazyLock<memmem::Finder<'static>> = LazyLock::new(|| memmem::Finder::new(KEY));
+
+fn find_key(hay: &[u8]) -> Option<usize> {
+    FINDER.find(hay)
 }
 
 #[cfg(test)]
@@ -127,6 +135,42 @@ data: [DONE]
         assert_eq!(scan_split(&big, big.len()), Some(12));
         assert_eq!(scan_split(br#"{"prompt_tokens_details":null}"#, 5), None);
         assert_eq!(scan_split(br#"{"cached_tokens":null}"#, 3), None);
+    }
+
+    /// The searcher against the plain definition, on generated bodies full of near misses
+    /// (pieces of the key, the key cut short, whole keys), from every start offset.
+    #[test]
+    fn the_key_search_matches_a_naive_one() {
+        let pieces: [&[u8]; 6] = [
+            b"\"cached_tokens\"",
+            b"\"cached_",
+            b"tokens\"",
+            b"\"",
+            b"x",
+            b"\"cached_tokens",
+        ];
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for _ in 0..2_000 {
+            let mut hay = Vec::new();
+            for _ in 0..next() % 40 {
+                hay.extend_from_slice(pieces[(next() % pieces.len() as u64) as usize]);
+            }
+            for from in 0..=hay.len() {
+                let naive = hay[from..].windows(KEY.len()).position(|w| w == KEY);
+                assert_eq!(
+                    find_key(&hay[from..]),
+                    naive,
+                    "{:?}",
+                    String::from_utf8_lossy(&hay)
+                );
+            }
+        }
     }
 
     #[test]
