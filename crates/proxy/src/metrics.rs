@@ -15,7 +15,7 @@ use std::hash::Hash;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
-use parking_lot::{MappedRwLockReadGuard, Mutex};
+use parking_lot::{MappedRwLockReadGuard, Mutex, RwLock};
 use prometheus_client::metrics::family::MetricConstructor;
 
 use prometheus_client::collector::Collector;
@@ -215,7 +215,27 @@ pub(crate) struct Metrics {
     pub served: Family<PoolKind, Counter>,
     /// Shedding, client-side timeouts, connections (`crate::limits`).
     pub limits: LimitMetrics,
+    /// Each pool's series of [`Metrics::record_usage`], looked up once: every routed response
+    /// updates eight of them, and a family lookup builds a label set (a string) and hashes it.
+    /// Pool series are never removed, so a handle stays the series' own.
+    usage: Arc<RwLock<Vec<Arc<PoolUsage>>>>,
 }
+
+/// One pool's usage series (handles share the families' values).
+#[derive(Debug)]
+struct PoolUsage {
+    pool: Box<str>,
+    predicted: Counter,
+    actual: Counter,
+    observed: Counter,
+    saved_tokens: Counter,
+    saved_gpu_seconds: Counter<f64, AtomicU64>,
+    prompt_tokens: Counter,
+    /// Per baseline policy: tokens, GPU-seconds.
+    baselines: RwLock<Vec<(&'static str, Counter, GpuSeconds)>>,
+}
+
+type GpuSeconds = Counter<f64, AtomicU64>;
 
 impl Metrics {
     pub fn new() -> Self {
@@ -246,7 +266,62 @@ impl Metrics {
             scrapes: Family::default(),
             served: Family::default(),
             limits: LimitMetrics::default(),
+            usage: Arc::default(),
         }
+    }
+
+    fn pool_usage(&self, pool: &str) -> Arc<PoolUsage> {
+        if let Some(u) = self.usage.read().iter().find(|u| &*u.pool == pool) {
+            return u.clone();
+        }
+        let mut all = self.usage.write();
+        if let Some(u) = all.iter().find(|u| &*u.pool == pool) {
+            return u.clone();
+        }
+        let pk = |kind| PoolKind {
+            pool: pool.to_owned(),
+            kind,
+        };
+        let pl = PoolLabel {
+            pool: pool.to_owned(),
+        };
+        // One statement per handle: a family's guard lives to the end of its statement, and
+        // the next lookup in the same family may need that family's write lock.
+        let predicted = self.cached_tokens.get_or_create(&pk("predicted")).clone();
+        let actual = self.cached_tokens.get_or_create(&pk("actual")).clone();
+        let observed = self.usage_observed.get_or_create(&pl).clone();
+        let saved_tokens = self.saved_tokens.get_or_create(&pl).clone();
+        let saved_gpu_seconds = self.saved_gpu_seconds.get_or_create(&pl).clone();
+        let prompt_tokens = self.usage_prompt_tokens.get_or_create(&pl).clone();
+        let u = Arc::new(PoolUsage {
+            pool: pool.into(),
+            predicted,
+            actual,
+            observed,
+            saved_tokens,
+            saved_gpu_seconds,
+            prompt_tokens,
+            baselines: RwLock::default(),
+        });
+        all.push(u.clone());
+        u
+    }
+
+    fn baseline_usage(&self, u: &PoolUsage, policy: &'static str) -> (Counter, GpuSeconds) {
+        if let Some((_, t, g)) = u.baselines.read().iter().find(|(p, _, _)| *p == policy) {
+            return (t.clone(), g.clone());
+        }
+        let pp = PoolPolicy {
+            pool: u.pool.to_string(),
+            policy,
+        };
+        let t = self.baseline_tokens.get_or_create(&pp).clone();
+        let g = self.baseline_gpu_seconds.get_or_create(&pp).clone();
+        let mut all = u.baselines.write();
+        if !all.iter().any(|(p, _, _)| *p == policy) {
+            all.push((policy, t.clone(), g.clone()));
+        }
+        (t, g)
     }
 
     /// A routed response of `prompt` tokens that reported its cached tokens: the prediction
@@ -261,36 +336,17 @@ impl Metrics {
         saved: Saved,
         baselines: &[(&'static str, Saved)],
     ) {
-        let pk = |kind| PoolKind {
-            pool: pool.to_owned(),
-            kind,
-        };
-        self.cached_tokens
-            .get_or_create(&pk("predicted"))
-            .inc_by(u64::from(predicted));
-        self.cached_tokens
-            .get_or_create(&pk("actual"))
-            .inc_by(actual);
-        let pl = PoolLabel {
-            pool: pool.to_owned(),
-        };
-        self.usage_observed.get_or_create(&pl).inc();
-        self.saved_tokens.get_or_create(&pl).inc_by(saved.tokens);
-        self.saved_gpu_seconds
-            .get_or_create(&pl)
-            .inc_by(saved.gpu_seconds);
-        self.usage_prompt_tokens
-            .get_or_create(&pl)
-            .inc_by(u64::from(prompt));
+        let u = self.pool_usage(pool);
+        u.predicted.inc_by(u64::from(predicted));
+        u.actual.inc_by(actual);
+        u.observed.inc();
+        u.saved_tokens.inc_by(saved.tokens);
+        u.saved_gpu_seconds.inc_by(saved.gpu_seconds);
+        u.prompt_tokens.inc_by(u64::from(prompt));
         for &(policy, b) in baselines {
-            let pp = PoolPolicy {
-                pool: pool.to_owned(),
-                policy,
-            };
-            self.baseline_tokens.get_or_create(&pp).inc_by(b.tokens);
-            self.baseline_gpu_seconds
-                .get_or_create(&pp)
-                .inc_by(b.gpu_seconds);
+            let (tokens, gpu_seconds) = self.baseline_usage(&u, policy);
+            tokens.inc_by(b.tokens);
+            gpu_seconds.inc_by(b.gpu_seconds);
         }
     }
 
