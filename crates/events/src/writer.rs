@@ -185,19 +185,24 @@ mod tests {
     use super::*;
     use crate::testing::stored;
 
+    /// A writer over `index` whose channel is never used (the tests call `apply_all`).
+    fn writer_of(index: &Arc<RwLock<Index>>) -> Writer {
+        let (_tx, rx) = mpsc::channel(1);
+        Writer {
+            index: index.clone(),
+            rx,
+            batch_max: 8,
+            pause: Arc::default(),
+            cancel: CancellationToken::new(),
+        }
+    }
+
     /// Batches of two workers drained in one turn (published once per worker): each worker's
     /// health ends as if every batch had been published on its own, in order.
     #[test]
     fn one_turn_publishes_all_of_each_workers_changes_in_order() {
         let index = Arc::new(RwLock::new(Index::new()));
-        let (_tx, chan) = mpsc::channel(1);
-        let writer = Writer {
-            index: index.clone(),
-            rx: chan,
-            batch_max: 8,
-            pause: Arc::default(),
-            cancel: CancellationToken::new(),
-        };
+        let writer = writer_of(&index);
         let workers = [1, 2].map(|r| WorkerId::new(ReplicaId(r), DpRank(0)));
         let healths = workers.map(|w| {
             let (tx, rx) = watch::channel(WorkerHealth::new(w, "tcp://x:1".into()));
@@ -253,14 +258,7 @@ mod tests {
         let worker = WorkerId::new(ReplicaId(1), DpRank(0));
         let index = Arc::new(RwLock::new(Index::new()));
         let (health, rx) = watch::channel(WorkerHealth::new(worker, "tcp://x:1".into()));
-        let (_tx, chan) = mpsc::channel(1);
-        let writer = Writer {
-            index: index.clone(),
-            rx: chan,
-            batch_max: 8,
-            pause: Arc::default(),
-            cancel: CancellationToken::new(),
-        };
+        let writer = writer_of(&index);
         let mut env = Envelope::new(
             worker,
             Some(Update::Batch {

@@ -104,6 +104,9 @@ impl BlockLru {
 
 #[cfg(test)]
 mod tests {
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
+
     use super::*;
 
     /// Against a naive recency list on a seeded random stream, duplicates within a request
@@ -113,7 +116,7 @@ mod tests {
         let mut cap = 23usize;
         let mut lru = BlockLru::new(cap);
         let mut naive: Vec<BlockHash> = Vec::new(); // most recent last
-        let mut rng = 0x2545_f491_4f6c_dd1du64;
+        let mut source = ChaCha8Rng::seed_from_u64(7);
         for round in 0..7000 {
             if round == 3500 {
                 cap = 11;
@@ -122,9 +125,7 @@ mod tests {
                     naive.remove(0);
                 }
             }
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
+            let rng: u64 = source.gen();
             let len = 1 + (rng % 9) as usize;
             let hs: Vec<BlockHash> = (0..len)
                 .map(|i| BlockHash((rng >> (8 + i * 3)) % 40))

@@ -177,9 +177,9 @@ impl Policy {
         now: Duration,
     ) -> Applied {
         let from = from.min(hashes.len());
-        match (self.tracker.as_mut(), hashes.get(from..)) {
-            (Some(t), Some(rest)) => Applied(Some((from, t.insert(worker, rest, now)))),
-            _ => Applied(None),
+        match self.tracker.as_mut() {
+            Some(t) => Applied(Some((from, t.insert(worker, &hashes[from..], now)))),
+            None => Applied(None),
         }
     }
 

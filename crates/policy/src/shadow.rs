@@ -120,6 +120,8 @@ impl Shadow {
 mod tests {
     use kinference_index::ReplicaId;
     use kinference_vllm::{BlockHash, DpRank};
+    use rand::{Rng, SeedableRng};
+    use rand_chacha::ChaCha8Rng;
 
     use super::*;
 
@@ -210,11 +212,9 @@ mod tests {
         let cands: Vec<Candidate> = (0..n_workers).map(|i| Candidate::new(worker(i))).collect();
         // naive: list of (block, worker) in recency order, most recent last
         let mut lru: Vec<(BlockHash, WorkerId)> = Vec::new();
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+        let mut source = ChaCha8Rng::seed_from_u64(11);
         for ticket in 0..2000u64 {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
+            let rng: u64 = source.gen();
             let h = hashes(rng % 7, 1 + (rng >> 8) % 6);
             let g = s.observe(&ctx(&h, ticket), &cands, Duration::ZERO);
             let w = g.worker.unwrap();

@@ -769,13 +769,8 @@ mod tests {
         ];
         let system = "You are a careful assistant. ".repeat(40);
         let mut reused_from_entries = 0;
-        let mut rng = 0x9e37_79b9_7f4a_7c15u64;
-        let mut step = |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
+        let mut next = kinference_testkit::xorshift(0x9e37_79b9_7f4a_7c15u64);
+        let mut step = |n: u64| next() % n;
         for conv in 0..12u64 {
             let mut messages = vec![serde_json::json!({"role": "system", "content": system})];
             for turn in 0..6u64 {
@@ -828,13 +823,8 @@ mod tests {
             BlockHasher::new(HashAlgo::Sha256, 16, None, ExtraKeysFormat::Tagged).unwrap(),
             BlockHasher::new(HashAlgo::Sha256Cbor, 4, Some("7"), ExtraKeysFormat::Tagged).unwrap(),
         ];
-        let mut rng = 0x2545_f491_4f6c_dd1du64;
-        let mut step = |n: u64| {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng % n
-        };
+        let mut next = kinference_testkit::xorshift(0x2545_f491_4f6c_dd1du64);
+        let mut step = |n: u64| next() % n;
         let docs: Vec<String> = (0..4)
             .map(|d| format!("Document {d}. ") + &"The river runs past the old mill. ".repeat(60))
             .collect();

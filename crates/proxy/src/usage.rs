@@ -149,13 +149,7 @@ data: [DONE]
             b"x",
             b"\"cached_tokens",
         ];
-        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
-        let mut next = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
+        let mut next = kinference_testkit::xorshift(0x9e37_79b9_7f4a_7c15);
         for _ in 0..2_000 {
             let mut hay = Vec::new();
             for _ in 0..next() % 40 {

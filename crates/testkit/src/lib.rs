@@ -17,6 +17,18 @@ pub mod sim;
 /// because CI shares two cores between builds and tests.
 pub const WAIT: Duration = Duration::from_secs(20);
 
+/// A seeded xorshift64 stream, for tests that need reproducible varied inputs and no more
+/// (`seed` must not be 0). Each call returns the next value.
+pub fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+    let mut x = seed;
+    move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    }
+}
+
 /// The repository's root directory.
 pub fn repo_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
