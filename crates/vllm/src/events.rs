@@ -8,6 +8,7 @@ use crate::ids::{BlockHash, Tier};
 
 pub mod codec;
 pub mod frames;
+pub mod zmtp;
 
 /// A block hash as it appears on the wire: an integer (default) or raw digest bytes
 /// (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
