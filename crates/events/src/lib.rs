@@ -19,8 +19,9 @@
 //!  router ── borrow, no lock ────────────────▶ watch<WorkerHealth> per worker
 //! ```
 //!
-//! - The **reader task** owns the SUB socket (libzmq, see [`socket`]) and drains it from the
-//!   moment it is bound or connected, forwarding raw messages and connection events. While
+//! - The **reader task** owns the SUB socket (libzmq, see [`socket`]; for a publisher dialled
+//!   over TCP, a ZMTP connection of its own, see `dialer`) and drains it from the moment it is
+//!   bound or connected, forwarding raw messages and connection events. While
 //!   messages come faster than [`EventPlaneConfig::read_pacing`] it wakes once per that
 //!   interval and reads all that came ([`socket::Pace`]), not once per message.
 //! - The **subscriber task** parses frames, tracks the sequence number, fetches replays over a
@@ -137,6 +138,7 @@
 
 mod backoff;
 mod config;
+mod dialer;
 mod error;
 mod health;
 mod plane;

@@ -1,6 +1,7 @@
 //! libzmq sockets (the `zmq` crate, libzmq built from source) driven by tokio without a thread
-//! per socket: the one socket layer of the workspace (subscriber, replay client, simulator
-//! publisher and replay server, interop tests).
+//! per socket: the socket layer of the workspace (bound and non-TCP subscribers, replay
+//! client, simulator publisher and replay server, interop tests). A subscriber that dials a
+//! TCP publisher reads it without libzmq (`crate::dialer`), paced by this module's [`Pace`].
 //!
 //! Invariants:
 //! - Every call into libzmq is non-blocking (`DONTWAIT`); waiting happens on the socket's
@@ -242,7 +243,7 @@ impl ZmqSocket {
         loop {
             match self.socket.recv_multipart(zmq::DONTWAIT) {
                 Ok(frames) => {
-                    pace.read_any = true;
+                    pace.read_one();
                     return Ok(frames);
                 }
                 Err(zmq::Error::EAGAIN) => {
@@ -324,7 +325,10 @@ impl ZmqSocket {
 /// apart, the reader instead sleeps until one interval after its last wake-up and drains what
 /// came meanwhile: one wake-up per interval, however many messages. Slower streams wake on the
 /// signal as before, with no delay. Messages are delayed at most one interval (the router's
-/// own speculative entries cover what it just routed); zero turns pacing off.
+/// own speculative entries cover what it just routed); zero turns pacing off. The wake-ups of
+/// every paced reader of the process fall on one grid (multiples of the interval from one
+/// origin), so readers of many publishers wake together: one thread wake-up per interval for
+/// all of them, not one per publisher.
 #[derive(Debug)]
 pub struct Pace {
     interval: Duration,
@@ -333,31 +337,81 @@ pub struct Pace {
     read_any: bool,
     /// When the previous wake-up that read a message began.
     last_productive: Option<tokio::time::Instant>,
+    /// Looking on the grid rather than waiting for the signal.
+    paced: bool,
 }
+
+/// Intervals a paced reader keeps looking on the grid after its last message before it waits
+/// for the signal again. A fast stream has empty intervals too; waking on its signal in
+/// those would cost a wake-up per message again, while looking on the grid costs a read that
+/// finds nothing, in a wake-up shared with every other paced reader.
+const LINGER: u32 = 4;
 
 impl Pace {
     pub fn new(interval: Duration) -> Self {
+        // Fixed before this reader's first wake-up, so every wake-up lies after it.
+        grid_origin();
         Pace {
             interval,
             woke_at: tokio::time::Instant::now(),
             read_any: false,
             last_productive: None,
+            paced: false,
         }
+    }
+
+    /// A message was read in the current wake-up.
+    pub(crate) fn read_one(&mut self) {
+        self.read_any = true;
     }
 
     /// The socket ran dry: when to look again (`None`: when it signals).
-    fn drained(&mut self) -> Option<tokio::time::Instant> {
-        if self.interval.is_zero() || !std::mem::take(&mut self.read_any) {
+    pub(crate) fn drained(&mut self) -> Option<tokio::time::Instant> {
+        if self.interval.is_zero() {
             return None;
         }
-        let previous = self.last_productive.replace(self.woke_at);
-        let fast = previous.is_some_and(|p| self.woke_at.duration_since(p) <= 2 * self.interval);
-        fast.then(|| self.woke_at + self.interval)
+        let since = |p: tokio::time::Instant| self.woke_at.duration_since(p);
+        if std::mem::take(&mut self.read_any) {
+            let previous = self.last_productive.replace(self.woke_at);
+            self.paced = previous.is_some_and(|p| since(p) <= 2 * self.interval);
+        } else if self.paced {
+            self.paced = self
+                .last_productive
+                .is_some_and(|p| since(p) < LINGER * self.interval);
+        }
+        self.paced
+            .then(|| next_on_grid(self.woke_at, self.interval))
     }
 
-    fn woke(&mut self) {
+    pub(crate) fn woke(&mut self) {
         self.woke_at = tokio::time::Instant::now();
         self.read_any = false;
+    }
+}
+
+/// Where the paced readers' grid starts (the first time any reader asks).
+pub(crate) fn grid_origin() -> tokio::time::Instant {
+    static ORIGIN: OnceLock<tokio::time::Instant> = OnceLock::new();
+    *ORIGIN.get_or_init(tokio::time::Instant::now)
+}
+
+/// The first point of the grid of `interval` strictly after `at`.
+fn next_on_grid(at: tokio::time::Instant, interval: Duration) -> tokio::time::Instant {
+    let origin = grid_origin();
+    let step = interval.as_nanos().max(1);
+    let nanos = |n: u128| Duration::from_nanos(u64::try_from(n).unwrap_or(u64::MAX));
+    if at >= origin {
+        let k = at.duration_since(origin).as_nanos() / step + 1;
+        origin + nanos(k * step)
+    } else {
+        // Before the origin (a clock of another runtime, in tests): the grid extends back.
+        let k = origin.duration_since(at).as_nanos() / step;
+        let point = origin - nanos(k * step);
+        if point > at {
+            point
+        } else {
+            point + interval
+        }
     }
 }
 
@@ -439,22 +493,48 @@ mod tests {
         p.woke();
         p.read_any = true;
         assert_eq!(p.drained(), None);
-        // The next one, 0.5 ms later: fast, so sleep until 1 ms after it began.
+        // The next one, 0.5 ms later: fast, so sleep until the grid's next point after it
+        // began, at most 1 ms later.
         tokio::time::advance(ms(1) / 2).await;
         p.woke();
         let began = tokio::time::Instant::now();
         p.read_any = true;
-        assert_eq!(p.drained(), Some(began + ms(1)));
-        // Woken by that timer, 1 ms later, messages again: stays paced.
-        tokio::time::advance(ms(1)).await;
+        let at = p.drained().expect("paced");
+        assert!(at > began && at <= began + ms(1), "{at:?} after {began:?}");
+        // Woken by that timer, messages again: stays paced, on the grid's next point.
+        tokio::time::advance(at - began).await;
         p.woke();
         p.read_any = true;
-        assert_eq!(p.drained(), Some(tokio::time::Instant::now() + ms(1)));
-        // The timer found nothing: back to the signal, and after a quiet 5 ms a message is
-        // read on its signal without delay.
-        tokio::time::advance(ms(1)).await;
-        p.woke();
-        assert_eq!(p.drained(), None);
+        assert_eq!(p.drained(), Some(at + ms(1)));
+        // Another reader, woken a little later in the same interval, sleeps to the same point.
+        let mut q = Pace::new(ms(1));
+        q.woke();
+        q.read_any = true;
+        let _ = q.drained();
+        tokio::time::advance(ms(1) / 4).await;
+        q.woke();
+        q.read_any = true;
+        assert_eq!(q.drained(), Some(at + ms(1)));
+        // The timer found nothing: it keeps looking on the grid until LINGER intervals
+        // passed since its last message, then waits for the signal.
+        let last = at; // p's last productive wake-up
+        let mut point = at + ms(1);
+        loop {
+            tokio::time::advance(point - tokio::time::Instant::now()).await;
+            p.woke();
+            match p.drained() {
+                Some(next) => {
+                    assert!(point.duration_since(last) < LINGER * ms(1));
+                    assert_eq!(next, point + ms(1));
+                    point = next;
+                }
+                None => {
+                    assert!(point.duration_since(last) >= LINGER * ms(1));
+                    break;
+                }
+            }
+        }
+        // After a quiet 5 ms a message is read on its signal without delay.
         tokio::time::advance(ms(5)).await;
         p.woke();
         p.read_any = true;

@@ -24,6 +24,7 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::backoff::Backoff;
 use crate::config::EventPlaneConfig;
+use crate::dialer;
 use crate::error::EventsError;
 use crate::health::{RootBlock, SyncState, WorkerHealth, ROOT_SAMPLES};
 use crate::sequencer::{Live, Replayed, Sequencer};
@@ -120,6 +121,19 @@ pub(crate) async fn run(spec: SubscriberSpec, routed: Option<mpsc::Receiver<Read
     let reader_cancel = spec.cancel.child_token();
     let (rx, reader) = match routed {
         Some(rx) => (rx, None),
+        None if dialer::dials(&spec.endpoint) => {
+            let (tx, rx) = mpsc::channel(spec.plane.reader_capacity);
+            let reader = tokio::spawn(dialer::run(
+                spec.endpoint.clone(),
+                spec.topic.clone(),
+                tx,
+                spec.plane.backoff.clone(),
+                Pace::new(spec.plane.read_pacing),
+                spec.seed,
+                reader_cancel.clone(),
+            ));
+            (rx, Some(reader))
+        }
         None => {
             let stream = match connect(&spec).await {
                 Ok(s) => s,
