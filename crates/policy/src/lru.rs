@@ -143,6 +143,43 @@ mod tests {
         }
     }
 
+    /// Many uses and no evictions (the bound above the blocks in play) compact the queue more
+    /// than once; the recency order must survive it, as a lowered bound then shows.
+    #[test]
+    fn compaction_keeps_the_recency_order() {
+        let mut lru = BlockLru::new(1000);
+        let mut naive: Vec<BlockHash> = Vec::new(); // most recent last
+        let mut source = ChaCha8Rng::seed_from_u64(11);
+        let mut compactions = 0;
+        for round in 0..6000 {
+            if round == 5000 {
+                lru.set_capacity(17);
+                let drop = naive.len().saturating_sub(17);
+                naive.drain(..drop);
+            }
+            let cap = if round >= 5000 { 17 } else { 1000 };
+            let rng: u64 = source.gen();
+            let len = 1 + (rng % 6) as usize;
+            let hs: Vec<BlockHash> = (0..len)
+                .map(|i| BlockHash((rng >> (8 + i * 4)) % 60))
+                .collect();
+            let want = hs.iter().take_while(|b| naive.contains(b)).count() as u32;
+            let before = lru.order.len();
+            assert_eq!(lru.touch(&hs), want, "round {round}");
+            if lru.order.len() < before {
+                compactions += 1;
+            }
+            for b in hs.iter().rev() {
+                naive.retain(|x| x != b);
+                naive.push(*b);
+            }
+            let drop = naive.len().saturating_sub(cap);
+            naive.drain(..drop);
+            assert_eq!(lru.len(), naive.len(), "round {round}");
+        }
+        assert!(compactions >= 2, "{compactions} compactions");
+    }
+
     #[test]
     fn the_queue_stays_bounded_under_a_hot_prefix() {
         let mut lru = BlockLru::new(100);
