@@ -10,13 +10,18 @@
 //!    a request in flight            ── (request timeouts are the handlers' business)
 //! ```
 //!
-//! Invariants: a connection holds its place from accept to close, however it ends; an accept
-//! loop never spins (at the cap it waits for a place; after an accept error it backs off);
+//! On the data port each data-plane thread runs an accept loop on the shared listener and
+//! serves a connection it accepted only if no other thread serves fewer; otherwise the
+//! connection, with its place, is handed to the thread serving fewest ([`Spread`]).
+//!
+//! Invariants: a connection holds its place from accept to close, however it ends (handed
+//! over or not); a thread's count covers the connections it serves, handed ones from the
+//! hand-over on; an accept loop never spins (at the cap it waits for a place; after an accept error it backs off);
 //! the watchdog never cuts a connection with a request in flight; stopping the port
 //! shuts every connection down gracefully and [`serve`] returns once all have closed.
 
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -30,7 +35,7 @@ use hyper_util::server::conn::auto;
 use hyper_util::service::TowerToHyperService;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{mpsc, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -72,7 +77,96 @@ impl Places {
     }
 }
 
+/// How a port's connections are spread over the data-plane threads, each accepting from the
+/// one shared listener. Whichever thread wakes first drains the listener's backlog, so a burst
+/// of connections (a client or a gateway opening its keep-alive pool) could all land on one
+/// thread and stay there for their lives; so the thread that accepts a connection keeps it
+/// only if no other thread serves fewer, and hands it to the one serving fewest otherwise.
+/// Handing over costs a wake-up of that thread once per connection, not per request.
+#[derive(Debug)]
+pub(crate) struct Spread {
+    /// Connections each thread serves (handed ones counted from the hand-over).
+    open: Vec<AtomicUsize>,
+    inboxes: Vec<mpsc::UnboundedSender<Handed>>,
+}
+
+/// A connection accepted by one thread for another, with its place.
+#[derive(Debug)]
+pub(crate) struct Handed {
+    tcp: std::net::TcpStream,
+    place: OwnedSemaphorePermit,
+}
+
+/// One thread's side of a [`Spread`].
+#[derive(Debug)]
+pub(crate) struct Share {
+    spread: Arc<Spread>,
+    me: usize,
+    inbox: mpsc::UnboundedReceiver<Handed>,
+}
+
+impl Spread {
+    /// A spread over `threads` threads and each thread's share of it.
+    pub fn new(threads: usize) -> (Arc<Spread>, Vec<Share>) {
+        let (inboxes, receivers): (Vec<_>, Vec<_>) =
+            (0..threads).map(|_| mpsc::unbounded_channel()).unzip();
+        let spread = Arc::new(Spread {
+            open: (0..threads).map(|_| AtomicUsize::new(0)).collect(),
+            inboxes,
+        });
+        let shares = receivers
+            .into_iter()
+            .enumerate()
+            .map(|(me, inbox)| Share {
+                spread: spread.clone(),
+                me,
+                inbox,
+            })
+            .collect();
+        (spread, shares)
+    }
+
+    /// Connections each thread serves now.
+    pub fn open(&self) -> Vec<usize> {
+        self.open
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect()
+    }
+
+    /// The thread that should serve a connection `me` accepted: `me` unless another serves
+    /// fewer, which is then counted for it at once (so a burst does not pick it twice).
+    fn pick(&self, me: usize) -> usize {
+        let mine = self.open[me].load(Ordering::Relaxed);
+        let least = (0..self.open.len())
+            .filter(|&i| i != me)
+            .min_by_key(|&i| self.open[i].load(Ordering::Relaxed));
+        match least {
+            Some(i) if self.open[i].load(Ordering::Relaxed) < mine => {
+                self.open[i].fetch_add(1, Ordering::Relaxed);
+                i
+            }
+            _ => {
+                self.open[me].fetch_add(1, Ordering::Relaxed);
+                me
+            }
+        }
+    }
+}
+
+/// What the accept loop got next.
+enum Next {
+    Accepted(TcpStream, OwnedSemaphorePermit),
+    /// From another thread: already counted for this one.
+    Handed(Handed),
+    /// An accept error, handled; try again.
+    Again,
+    Stop,
+}
+
 /// One port's accept loop and connections, until `stop`; returns once every connection closed.
+/// With a `share`, the port's connections are spread over the threads serving it ([`Spread`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) async fn serve(
     listener: TcpListener,
     app: axum::Router,
@@ -81,6 +175,7 @@ pub(crate) async fn serve(
     places: Arc<Places>,
     rules: ConnRules,
     metrics: LimitMetrics,
+    mut share: Option<Share>,
 ) {
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // The watchdog times heads and idleness itself: hyper's header timer would also run
@@ -96,45 +191,36 @@ pub(crate) async fn serve(
     let label = PortLabel { port };
     let open = metrics.connections.get_or_create(&label).clone();
     let tracker = TaskTracker::new();
+    let mut paused = false;
     loop {
-        let place = match places.0.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                metrics.accept_pauses.get_or_create(&label).inc();
-                tracing::debug!(port, "limits.max_connections reached; accepting paused");
-                tokio::select! {
-                    p = places.0.clone().acquire_owned() => match p {
-                        Ok(p) => p,
-                        Err(_) => break,
-                    },
-                    () = stop.cancelled() => break,
+        let next = tokio::select! {
+            biased;
+            () = stop.cancelled() => Next::Stop,
+            handed = handed(&mut share) => handed.map_or(Next::Stop, Next::Handed),
+            next = accept(&listener, &places, &metrics, &label, &mut paused) => next,
+        };
+        let (tcp, place) = match next {
+            Next::Accepted(tcp, place) => {
+                // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
+                }
+                match hand_over(&share, tcp, place) {
+                    Some(kept) => kept,
+                    None => continue,
                 }
             }
-        };
-        let accepted = tokio::select! {
-            a = listener.accept() => a,
-            () = stop.cancelled() => break,
-        };
-        let tcp = match accepted {
-            Ok((tcp, _)) => tcp,
-            Err(e) => {
-                drop(place);
-                if !is_connection_error(&e) {
-                    // Out of descriptors or buffers: retrying at once would spin.
-                    metrics.accept_errors.get_or_create(&label).inc();
-                    tracing::warn!(port, error = %e, "accept failed; pausing 100 ms");
-                    tokio::select! {
-                        () = tokio::time::sleep(Duration::from_millis(100)) => {}
-                        () = stop.cancelled() => break,
-                    }
+            Next::Handed(Handed { tcp, place }) => match TcpStream::from_std(tcp) {
+                Ok(tcp) => (tcp, place),
+                Err(e) => {
+                    tracing::debug!(error = %e, "a handed-over connection could not be registered");
+                    uncount(&share);
+                    continue;
                 }
-                continue;
-            }
+            },
+            Next::Again => continue,
+            Next::Stop => break,
         };
-        // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted socket failed");
-        }
         open.inc();
         let conn = Connection {
             builder: builder.clone(),
@@ -145,15 +231,111 @@ pub(crate) async fn serve(
             port,
         };
         let open = open.clone();
+        let counted = share.as_ref().map(|s| (s.spread.clone(), s.me));
         tracker.spawn(async move {
             conn.run(tcp).await;
             open.dec();
+            if let Some((spread, me)) = counted {
+                spread.open[me].fetch_sub(1, Ordering::Relaxed);
+            }
             drop(place);
         });
     }
     drop(listener);
     tracker.close();
     tracker.wait().await;
+}
+
+/// The next connection another thread handed to this one (never, without a share; `None`
+/// once every sender is gone).
+async fn handed(share: &mut Option<Share>) -> Option<Handed> {
+    match share {
+        Some(s) => s.inbox.recv().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Waits for a place among `limits.max_connections`, then accepts. `paused` remembers that
+/// this loop is waiting for a place, so a pause is counted once however often the wait is
+/// restarted.
+async fn accept(
+    listener: &TcpListener,
+    places: &Places,
+    metrics: &LimitMetrics,
+    label: &PortLabel,
+    paused: &mut bool,
+) -> Next {
+    let place = match places.0.clone().try_acquire_owned() {
+        Ok(p) => p,
+        Err(_) => {
+            if !std::mem::replace(paused, true) {
+                metrics.accept_pauses.get_or_create(label).inc();
+                tracing::debug!(
+                    port = label.port,
+                    "limits.max_connections reached; accepting paused"
+                );
+            }
+            match places.0.clone().acquire_owned().await {
+                Ok(p) => p,
+                Err(_) => return Next::Stop,
+            }
+        }
+    };
+    *paused = false;
+    match listener.accept().await {
+        Ok((tcp, _)) => Next::Accepted(tcp, place),
+        Err(e) => {
+            drop(place);
+            if !is_connection_error(&e) {
+                // Out of descriptors or buffers: retrying at once would spin.
+                metrics.accept_errors.get_or_create(label).inc();
+                tracing::warn!(port = label.port, error = %e, "accept failed; pausing 100 ms");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            Next::Again
+        }
+    }
+}
+
+/// Keeps a connection this thread accepted (counted for it) or hands it to the thread that
+/// serves fewest; `None` when it was handed over (or lost on the way, and uncounted).
+fn hand_over(
+    share: &Option<Share>,
+    tcp: TcpStream,
+    place: OwnedSemaphorePermit,
+) -> Option<(TcpStream, OwnedSemaphorePermit)> {
+    let Some(s) = share else {
+        return Some((tcp, place));
+    };
+    let to = s.spread.pick(s.me);
+    if to == s.me {
+        return Some((tcp, place));
+    }
+    let tcp = match tcp.into_std() {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::debug!(error = %e, "an accepted connection could not be handed over");
+            s.spread.open[to].fetch_sub(1, Ordering::Relaxed);
+            return None;
+        }
+    };
+    match s.spread.inboxes[to].send(Handed { tcp, place }) {
+        Ok(()) => None,
+        // That thread has stopped: serve it here after all.
+        Err(mpsc::error::SendError(Handed { tcp, place })) => {
+            s.spread.open[to].fetch_sub(1, Ordering::Relaxed);
+            let tcp = TcpStream::from_std(tcp).ok()?;
+            s.spread.open[s.me].fetch_add(1, Ordering::Relaxed);
+            Some((tcp, place))
+        }
+    }
+}
+
+/// A connection counted for this thread that will not be served after all.
+fn uncount(share: &Option<Share>) {
+    if let Some(s) = share {
+        s.spread.open[s.me].fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Whether a connection ended because its HTTP/2 client left a PING unanswered past

@@ -63,8 +63,10 @@
 //! single-threaded tokio runtime accepting from the same listening socket and keeping its
 //! own upstream connection pool: a request never crosses threads, which on a work-stealing
 //! runtime cost a wake-up of another thread per hop (measured in BENCHMARKS.md, "Router
-//! latency"). Event planes, scrapers, discovery and the admin port run on the caller's
-//! runtime.
+//! latency"). A connection does, once: the thread that accepts it hands it to another that
+//! serves fewer connections (`conn::Spread`), since one thread may drain a whole burst of
+//! connects from the shared listener. Event planes, scrapers, discovery and the admin port
+//! run on the caller's runtime.
 
 // Modules from the bottom up: each one uses only modules listed above it (no import cycles).
 // Plain data and settings:
@@ -170,6 +172,9 @@ pub struct Proxy {
     cut: CancellationToken,
     servers: Vec<JoinHandle<()>>,
     background: Vec<JoinHandle<()>>,
+    /// How the data port's connections are spread over the data-plane threads (none with a
+    /// front door of the caller's).
+    spread: Option<Arc<conn::Spread>>,
 }
 
 impl Proxy {
@@ -262,11 +267,11 @@ impl Proxy {
         let stop = CancellationToken::new();
         let cut = CancellationToken::new();
         let admin_addr = admin.local_addr()?;
-        let (data_addr, mut servers) = match door {
+        let (data_addr, mut servers, spread) = match door {
             Door::Http(data) => {
                 let addr = data.local_addr()?;
                 match Self::spawn_shards(&config, &fleet, data, &stop, &cut).await {
-                    Ok(servers) => (addr, servers),
+                    Ok((servers, spread)) => (addr, servers, Some(spread)),
                     Err(e) => {
                         for h in &background {
                             h.abort();
@@ -278,7 +283,7 @@ impl Proxy {
             Door::Front(listener, serve) => {
                 let addr = listener.local_addr()?;
                 let front = serve(Picker::new(fleet.clone()), listener, stop.clone());
-                (addr, vec![tokio::spawn(front)])
+                (addr, vec![tokio::spawn(front)], None)
             }
         };
         let admin_state = Arc::new(AdminState {
@@ -302,6 +307,7 @@ impl Proxy {
             conn::Places::new(ADMIN_CONNECTIONS),
             conn::ConnRules::new(&config.timeouts, &config.limits),
             fleet.metrics.limits.clone(),
+            None,
         )));
         tracing::info!(%data_addr, %admin_addr, pools = fleet.pools.len(), "router started");
         Ok(Proxy {
@@ -312,6 +318,7 @@ impl Proxy {
             cut,
             servers,
             background,
+            spread,
         })
     }
 
@@ -323,19 +330,21 @@ impl Proxy {
         data: TcpListener,
         stop: &CancellationToken,
         cut: &CancellationToken,
-    ) -> std::io::Result<Vec<JoinHandle<()>>> {
+    ) -> std::io::Result<(Vec<JoinHandle<()>>, Arc<conn::Spread>)> {
         let threads = config.threads.unwrap_or_else(|| {
             std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
         });
         let data = data.into_std()?;
         let places = conn::Places::new(config.limits.max_connections);
+        let (spread, shares) = conn::Spread::new(threads);
         let mut servers = Vec::with_capacity(threads + 1);
-        for i in 0..threads {
+        for (i, share) in shares.into_iter().enumerate() {
             let shard = Shard {
                 index: i,
                 listener: data.try_clone()?,
                 fleet: fleet.clone(),
                 places: places.clone(),
+                share,
                 stop: stop.clone(),
                 cut: cut.clone(),
             };
@@ -352,7 +361,13 @@ impl Proxy {
             }));
         }
         tracing::debug!(threads, "data-plane threads started");
-        Ok(servers)
+        Ok((servers, spread))
+    }
+
+    /// Client connections each data-plane thread serves now (empty with a front door of the
+    /// caller's).
+    pub fn data_connections(&self) -> Vec<usize> {
+        self.spread.as_ref().map_or_else(Vec::new, |s| s.open())
     }
 
     /// The data port (the OpenAI API), or the front door's address.
@@ -521,6 +536,8 @@ struct Shard {
     fleet: Arc<Fleet>,
     /// `limits.max_connections`, shared by every shard.
     places: Arc<conn::Places>,
+    /// This shard's side of the spread of connections over the shards.
+    share: conn::Share,
     stop: CancellationToken,
     cut: CancellationToken,
 }
@@ -552,6 +569,7 @@ impl Shard {
             listener,
             fleet,
             places,
+            share,
             stop,
             cut,
         } = self;
@@ -582,7 +600,7 @@ impl Shard {
             let metrics = fleet.metrics.limits.clone();
             let app = server::router(fleet, upstream);
             tokio::select! {
-                () = conn::serve(listener, app, stop, "data", places, rules, metrics) => {}
+                () = conn::serve(listener, app, stop, "data", places, rules, metrics, Some(share)) => {}
                 () = cut.cancelled() => {}
             }
         });

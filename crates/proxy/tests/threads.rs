@@ -114,6 +114,55 @@ async fn every_data_thread_serves_the_port_and_shutdown_closes_it() {
     );
 }
 
+/// A burst of keep-alive connections (a client opening its pool) is spread over the threads
+/// however many one thread happens to accept, each connection is served to the end by the
+/// thread it landed on (every request on it answered), and the counts go back to zero as the
+/// connections close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_connections_is_spread_over_the_threads() {
+    let _serial = ONE_AT_A_TIME.lock().await;
+    let up = replica(false).await;
+    let proxy = Proxy::start(config(up, 4)).await.unwrap();
+    let addr = proxy.data_addr();
+    let mut conns = Vec::new();
+    for _ in 0..32 {
+        conns.push(TcpStream::connect(addr).await.unwrap());
+    }
+    // Three requests on each: all connections accepted, and served after any hand-over.
+    for round in 0..3 {
+        for (i, s) in conns.iter_mut().enumerate() {
+            let req = format!("GET /v1/anything/{round}/{i} HTTP/1.1\r\nhost: x\r\n\r\n");
+            s.write_all(req.as_bytes()).await.unwrap();
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\nok") {
+                let mut byte = [0u8; 1];
+                assert_eq!(s.read(&mut byte).await.unwrap(), 1, "connection {i} closed");
+                head.push(byte[0]);
+            }
+            assert!(
+                head.starts_with(b"HTTP/1.1 200"),
+                "{}",
+                String::from_utf8_lossy(&head)
+            );
+        }
+    }
+    let open = proxy.data_connections();
+    assert_eq!(open.iter().sum::<usize>(), 32, "{open:?}");
+    let (lo, hi) = (open.iter().min().unwrap(), open.iter().max().unwrap());
+    assert!(hi - lo <= 2, "connections per thread {open:?}");
+    drop(conns);
+    tokio::time::timeout(WAIT, async {
+        while proxy.data_connections().iter().sum::<usize>() > 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("counts stayed at {:?}", proxy.data_connections()));
+    tokio::time::timeout(WAIT, proxy.shutdown())
+        .await
+        .expect("shutdown hung");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_running_past_the_drain_time_is_cut() {
     let _serial = ONE_AT_A_TIME.lock().await;
