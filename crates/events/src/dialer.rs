@@ -4,11 +4,11 @@
 //! Why not libzmq here: libzmq reads every connection on its own I/O thread, which wakes for
 //! each message the publisher sends and then signals the reader, so a replica publishing one
 //! batch per engine step cost the router two thread wake-ups per batch whatever the reader's
-//! pacing (BENCHMARKS.md, "the KV-event side"). Read here, a paced reader wakes once per
-//! interval and takes everything that came in one `read`. libzmq still serves everything
-//! else: bound endpoints (a publisher dials us, possibly many on one port), non-TCP endpoints,
-//! replay DEALERs, the simulator's publisher; it is also the counterpart every test of this
-//! reader talks to.
+//! pacing (BENCHMARKS.md, "KV events read without libzmq's I/O thread"). Read here, a paced
+//! reader wakes once per interval and takes everything that came in one `read`. libzmq still
+//! serves everything else: bound endpoints (a publisher dials us, possibly many on one port),
+//! non-TCP endpoints, replay DEALERs, the simulator's publisher; it is also the publisher the
+//! tests of this reader talk to, besides a fake peer for the protocol's edges.
 //!
 //! Invariants: the task reports what a monitored libzmq SUB would (a connection up after the
 //! handshake, down when it ends, a failed dial, an error) and every message in the order it
@@ -33,7 +33,7 @@ use crate::transport::ReaderEvent;
 
 /// Longest a connected publisher may take to greet and send READY (libzmq's default
 /// handshake interval).
-pub(crate) const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Bytes asked of the kernel per read (more when a frame needs it).
 const READ_CHUNK: usize = 64 * 1024;
@@ -119,8 +119,14 @@ fn is_dial_failure(e: &std::io::Error) -> bool {
     use std::io::ErrorKind::*;
     matches!(
         e.kind(),
-        ConnectionRefused | ConnectionReset | ConnectionAborted | TimedOut | NotFound
-    ) || e.raw_os_error().is_some_and(|c| c == 113 || c == 101) // EHOSTUNREACH, ENETUNREACH
+        ConnectionRefused
+            | ConnectionReset
+            | ConnectionAborted
+            | TimedOut
+            | NotFound
+            | HostUnreachable
+            | NetworkUnreachable
+    )
 }
 
 /// Connects and completes the handshake: greetings, READY both ways, the subscription.
@@ -142,10 +148,7 @@ async fn handshake(stream: &mut TcpStream, topic: &[u8]) -> Result<BytesMut, End
     while buf.len() < zmtp::GREETING_LEN {
         read_more(stream, &mut buf).await?;
     }
-    let mut greeting = [0u8; zmtp::GREETING_LEN];
-    greeting.copy_from_slice(&buf[..zmtp::GREETING_LEN]);
-    zmtp::check_greeting(&greeting)?;
-    buf.advance(zmtp::GREETING_LEN);
+    zmtp::check_greeting(&buf.split_to(zmtp::GREETING_LEN))?;
     // READY and the subscription in one segment, as libzmq's SUB sends them: a subscription
     // that trails the handshake lets the publisher attach the connection without it, and
     // drop what it publishes meanwhile.
@@ -161,8 +164,8 @@ async fn handshake(stream: &mut TcpStream, topic: &[u8]) -> Result<BytesMut, End
     if !head.command {
         return Err(ZmtpError::NoReady.into());
     }
-    zmtp::check_ready(&buf[head.header..head.len()])?;
-    buf.advance(head.len());
+    zmtp::check_ready(&buf[head.header..head.size()])?;
+    buf.advance(head.size());
     Ok(buf)
 }
 
@@ -223,7 +226,7 @@ impl Conn {
 }
 
 /// Reads messages until the connection ends. Each turn reads all the kernel holds, forwards
-/// every complete message (frames sliced from the read buffer), and once the socket is empty
+/// every complete message (its frames share the read buffer), and once the socket is empty
 /// waits as `pace` says: until the grid's next point while messages come fast, else for the
 /// socket's signal.
 async fn read(
@@ -272,7 +275,7 @@ async fn forward(
     pace: &mut Pace,
 ) -> Result<(), End> {
     while let Some(head) = zmtp::parse_frame(buf)? {
-        let frame = buf.split_to(head.len()).freeze().slice(head.header..);
+        let frame = buf.split_to(head.size()).freeze().slice(head.header..);
         if head.command {
             match zmtp::parse_command(&frame)? {
                 Command::Ping { context } => write_all(conn, &zmtp::pong(context)).await?,

@@ -321,14 +321,14 @@ impl ZmqSocket {
 /// signal costs system calls on both sides (libzmq's I/O thread signals its socket, tokio's
 /// worker wakes, the receive asks libzmq's mailbox) and the subscriber's work per message is
 /// small, so a stream of one small message per request (a fast engine publishes one batch per
-/// step) cost more in wake-ups than in parsing. While messages arrive less than two intervals
-/// apart, the reader instead sleeps until one interval after its last wake-up and drains what
-/// came meanwhile: one wake-up per interval, however many messages. Slower streams wake on the
-/// signal as before, with no delay. Messages are delayed at most one interval (the router's
-/// own speculative entries cover what it just routed); zero turns pacing off. The wake-ups of
-/// every paced reader of the process fall on one grid (multiples of the interval from one
-/// origin), so readers of many publishers wake together: one thread wake-up per interval for
-/// all of them, not one per publisher.
+/// step) cost more in wake-ups than in parsing. Once two wake-ups that read messages came less
+/// than two intervals apart, the reader instead sleeps until the next point of a grid
+/// (multiples of the interval from one origin, the same for every paced reader of the process,
+/// so readers of many publishers wake together) and drains what came meanwhile: one wake-up per
+/// interval, however many messages. It stays on the grid until [`LINGER`] intervals passed
+/// without a message, then waits for the signal again; slower streams wake on the signal with
+/// no delay. Messages are delayed at most one interval (the router's own speculative entries
+/// cover what it just routed); zero turns pacing off.
 #[derive(Debug)]
 pub struct Pace {
     interval: Duration,
@@ -390,7 +390,7 @@ impl Pace {
 }
 
 /// Where the paced readers' grid starts (the first time any reader asks).
-pub(crate) fn grid_origin() -> tokio::time::Instant {
+fn grid_origin() -> tokio::time::Instant {
     static ORIGIN: OnceLock<tokio::time::Instant> = OnceLock::new();
     *ORIGIN.get_or_init(tokio::time::Instant::now)
 }

@@ -121,33 +121,25 @@ pub(crate) async fn run(spec: SubscriberSpec, routed: Option<mpsc::Receiver<Read
     let reader_cancel = spec.cancel.child_token();
     let (rx, reader) = match routed {
         Some(rx) => (rx, None),
-        None if dialer::dials(&spec.endpoint) => {
-            let (tx, rx) = mpsc::channel(spec.plane.reader_capacity);
-            let reader = tokio::spawn(dialer::run(
-                spec.endpoint.clone(),
-                spec.topic.clone(),
-                tx,
-                spec.plane.backoff.clone(),
-                Pace::new(spec.plane.read_pacing),
-                spec.seed,
-                reader_cancel.clone(),
-            ));
-            (rx, Some(reader))
-        }
         None => {
-            let stream = match connect(&spec).await {
-                Ok(s) => s,
-                Err(Stop) => return,
-            };
             let (tx, rx) = mpsc::channel(spec.plane.reader_capacity);
-            let reader = tokio::spawn(transport::run_reader(
-                stream,
-                tx,
-                spec.plane.backoff.clone(),
-                Pace::new(spec.plane.read_pacing),
-                spec.seed,
-                reader_cancel.clone(),
-            ));
+            let (backoff, seed, cancel) =
+                (spec.plane.backoff.clone(), spec.seed, reader_cancel.clone());
+            let pace = Pace::new(spec.plane.read_pacing);
+            let reader = if dialer::dials(&spec.endpoint) {
+                let (endpoint, topic) = (spec.endpoint.clone(), spec.topic.clone());
+                tokio::spawn(dialer::run(
+                    endpoint, topic, tx, backoff, pace, seed, cancel,
+                ))
+            } else {
+                let stream = match connect(&spec).await {
+                    Ok(s) => s,
+                    Err(Stop) => return,
+                };
+                tokio::spawn(transport::run_reader(
+                    stream, tx, backoff, pace, seed, cancel,
+                ))
+            };
             (rx, Some(reader))
         }
     };

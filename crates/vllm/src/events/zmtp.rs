@@ -53,8 +53,12 @@ pub fn greeting() -> [u8; GREETING_LEN] {
     g
 }
 
-/// Checks a peer's greeting: ZMTP 3.x with the NULL mechanism.
-pub fn check_greeting(g: &[u8; GREETING_LEN]) -> Result<(), ZmtpError> {
+/// Checks a peer's greeting (its first [`GREETING_LEN`] bytes): ZMTP 3.x with the NULL
+/// mechanism.
+pub fn check_greeting(g: &[u8]) -> Result<(), ZmtpError> {
+    let Some(g) = g.first_chunk::<GREETING_LEN>() else {
+        return Err(ZmtpError::Greeting(0));
+    };
     if g[0] != 0xFF || g[9] & 0x01 == 0 || g[10] < 3 {
         return Err(ZmtpError::Greeting(g[10]));
     }
@@ -119,14 +123,9 @@ pub struct FrameHead {
 }
 
 impl FrameHead {
-    /// Header and body.
-    pub fn len(&self) -> usize {
+    /// Bytes of the whole frame: header and body.
+    pub fn size(&self) -> usize {
         self.header + self.body
-    }
-
-    /// Never true: a frame has at least its two header bytes.
-    pub fn is_empty(&self) -> bool {
-        false
     }
 }
 
@@ -275,8 +274,8 @@ pub fn split_messages(buf: &[u8]) -> Result<(Vec<Frames<'_>>, usize), ZmtpError>
     let mut at = 0;
     let mut done = 0;
     while let Some(head) = parse_frame(&buf[at..])? {
-        let body = &buf[at + head.header..at + head.len()];
-        at += head.len();
+        let body = &buf[at + head.header..at + head.size()];
+        at += head.size();
         if head.command {
             parse_command(body)?;
         } else {
@@ -314,13 +313,14 @@ mod tests {
         let mut v2 = g;
         v2[10] = 1;
         assert_eq!(check_greeting(&v2), Err(ZmtpError::Greeting(1)));
+        assert_eq!(check_greeting(&g[..63]), Err(ZmtpError::Greeting(0)));
     }
 
     #[test]
     fn ready_round_trips_and_names_the_socket_type() {
         let ours = ready_sub();
         let head = parse_frame(&ours).unwrap().unwrap();
-        assert!(head.command && !head.more && head.len() == ours.len());
+        assert!(head.command && !head.more && head.size() == ours.len());
         let body = &ours[head.header..];
         assert_eq!(
             parse_command(body),
@@ -369,10 +369,10 @@ mod tests {
         write_frame(&mut out, 0, &[8u8; 256]);
         let first = parse_frame(&out).unwrap().unwrap();
         assert_eq!((first.header, first.body, first.more), (2, 255, true));
-        let second = parse_frame(&out[first.len()..]).unwrap().unwrap();
+        let second = parse_frame(&out[first.size()..]).unwrap().unwrap();
         assert_eq!((second.header, second.body, second.more), (9, 256, false));
         // Every proper prefix is incomplete, never an error.
-        for cut in 0..out.len() - second.len() {
+        for cut in 0..out.len() - second.size() {
             assert_eq!(parse_frame(&out[..cut]), Ok(None), "cut {cut}");
         }
         assert_eq!(parse_frame(&[0x08, 0]), Err(ZmtpError::Flags(0x08)));
