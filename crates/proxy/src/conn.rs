@@ -15,10 +15,11 @@
 //! connection, with its place, is handed to the thread serving fewest ([`Spread`]).
 //!
 //! Invariants: a connection holds its place from accept to close, however it ends (handed
-//! over or not); a thread's count covers the connections it serves, handed ones from the
-//! hand-over on; an accept loop never spins (at the cap it waits for a place; after an accept error it backs off);
-//! the watchdog never cuts a connection with a request in flight; stopping the port
-//! shuts every connection down gracefully and [`serve`] returns once all have closed.
+//! over or not), and is counted for the thread it is meant for from the moment it is
+//! accepted to its close ([`Counted`]); an accept loop never spins (at the cap it waits for a
+//! place; after an accept error it backs off); the watchdog never cuts a connection with a
+//! request in flight; stopping the port shuts every connection down gracefully and [`serve`]
+//! returns once all have closed.
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -90,11 +91,25 @@ pub(crate) struct Spread {
     inboxes: Vec<mpsc::UnboundedSender<Handed>>,
 }
 
-/// A connection accepted by one thread for another, with its place.
+/// A connection accepted by one thread for another, with its place and count.
 #[derive(Debug)]
 pub(crate) struct Handed {
     tcp: std::net::TcpStream,
     place: OwnedSemaphorePermit,
+    counted: Counted,
+}
+
+/// One connection in a thread's count of a [`Spread`], until dropped.
+#[derive(Debug)]
+pub(crate) struct Counted {
+    spread: Arc<Spread>,
+    thread: usize,
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.spread.open[self.thread].fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// One thread's side of a [`Spread`].
@@ -134,23 +149,26 @@ impl Spread {
             .collect()
     }
 
-    /// The thread that should serve a connection `me` accepted: `me` unless another serves
-    /// fewer, which is then counted for it at once (so a burst does not pick it twice).
-    fn pick(&self, me: usize) -> usize {
-        let mine = self.open[me].load(Ordering::Relaxed);
-        let least = (0..self.open.len())
-            .filter(|&i| i != me)
-            .min_by_key(|&i| self.open[i].load(Ordering::Relaxed));
-        match least {
-            Some(i) if self.open[i].load(Ordering::Relaxed) < mine => {
-                self.open[i].fetch_add(1, Ordering::Relaxed);
-                i
-            }
-            _ => {
-                self.open[me].fetch_add(1, Ordering::Relaxed);
-                me
-            }
+    /// A connection counted for `thread`.
+    fn count(self: &Arc<Self>, thread: usize) -> Counted {
+        self.open[thread].fetch_add(1, Ordering::Relaxed);
+        Counted {
+            spread: self.clone(),
+            thread,
         }
+    }
+
+    /// The thread that should serve a connection `me` accepted, counted for it at once (so a
+    /// burst does not pick the same thread twice): `me` unless another serves fewer.
+    fn pick(self: &Arc<Self>, me: usize) -> Counted {
+        let load = |i: usize| self.open[i].load(Ordering::Relaxed);
+        let mine = load(me);
+        let to = (0..self.open.len())
+            .map(|i| (load(i), i))
+            .filter(|&(n, i)| i != me && n < mine)
+            .min()
+            .map_or(me, |(_, i)| i);
+        self.count(to)
     }
 }
 
@@ -199,7 +217,7 @@ pub(crate) async fn serve(
             handed = handed(&mut share) => handed.map_or(Next::Stop, Next::Handed),
             next = accept(&listener, &places, &metrics, &label, &mut paused) => next,
         };
-        let (tcp, place) = match next {
+        let (tcp, place, counted) = match next {
             Next::Accepted(tcp, place) => {
                 // Each SSE chunk must leave at once (Nagle + delayed ACK would add ~40 ms).
                 if let Err(e) = tcp.set_nodelay(true) {
@@ -210,11 +228,14 @@ pub(crate) async fn serve(
                     None => continue,
                 }
             }
-            Next::Handed(Handed { tcp, place }) => match TcpStream::from_std(tcp) {
-                Ok(tcp) => (tcp, place),
+            Next::Handed(Handed {
+                tcp,
+                place,
+                counted,
+            }) => match TcpStream::from_std(tcp) {
+                Ok(tcp) => (tcp, place, Some(counted)),
                 Err(e) => {
                     tracing::debug!(error = %e, "a handed-over connection could not be registered");
-                    uncount(&share);
                     continue;
                 }
             },
@@ -231,14 +252,10 @@ pub(crate) async fn serve(
             port,
         };
         let open = open.clone();
-        let counted = share.as_ref().map(|s| (s.spread.clone(), s.me));
         tracker.spawn(async move {
             conn.run(tcp).await;
             open.dec();
-            if let Some((spread, me)) = counted {
-                spread.open[me].fetch_sub(1, Ordering::Relaxed);
-            }
-            drop(place);
+            drop((place, counted));
         });
     }
     drop(listener);
@@ -297,44 +314,39 @@ async fn accept(
     }
 }
 
-/// Keeps a connection this thread accepted (counted for it) or hands it to the thread that
-/// serves fewest; `None` when it was handed over (or lost on the way, and uncounted).
-fn hand_over(
-    share: &Option<Share>,
-    tcp: TcpStream,
-    place: OwnedSemaphorePermit,
-) -> Option<(TcpStream, OwnedSemaphorePermit)> {
+/// A connection this thread accepted and keeps, with its count (none without a share); or
+/// `None` once it is handed to the thread that serves fewest (or lost on the way).
+type Kept = (TcpStream, OwnedSemaphorePermit, Option<Counted>);
+
+/// Keeps a connection this thread accepted, or hands it to the thread that serves fewest.
+fn hand_over(share: &Option<Share>, tcp: TcpStream, place: OwnedSemaphorePermit) -> Option<Kept> {
     let Some(s) = share else {
-        return Some((tcp, place));
+        return Some((tcp, place, None));
     };
-    let to = s.spread.pick(s.me);
+    let counted = s.spread.pick(s.me);
+    let to = counted.thread;
     if to == s.me {
-        return Some((tcp, place));
+        return Some((tcp, place, Some(counted)));
     }
     let tcp = match tcp.into_std() {
         Ok(t) => t,
         Err(e) => {
             tracing::debug!(error = %e, "an accepted connection could not be handed over");
-            s.spread.open[to].fetch_sub(1, Ordering::Relaxed);
             return None;
         }
     };
-    match s.spread.inboxes[to].send(Handed { tcp, place }) {
+    let handed = Handed {
+        tcp,
+        place,
+        counted,
+    };
+    match s.spread.inboxes[to].send(handed) {
         Ok(()) => None,
         // That thread has stopped: serve it here after all.
-        Err(mpsc::error::SendError(Handed { tcp, place })) => {
-            s.spread.open[to].fetch_sub(1, Ordering::Relaxed);
+        Err(mpsc::error::SendError(Handed { tcp, place, .. })) => {
             let tcp = TcpStream::from_std(tcp).ok()?;
-            s.spread.open[s.me].fetch_add(1, Ordering::Relaxed);
-            Some((tcp, place))
+            Some((tcp, place, Some(s.spread.count(s.me))))
         }
-    }
-}
-
-/// A connection counted for this thread that will not be served after all.
-fn uncount(share: &Option<Share>) {
-    if let Some(s) = share {
-        s.spread.open[s.me].fetch_sub(1, Ordering::Relaxed);
     }
 }
 
