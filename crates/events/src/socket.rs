@@ -325,7 +325,7 @@ impl ZmqSocket {
 /// than two intervals apart, the reader instead sleeps until the next point of a grid
 /// (multiples of the interval from one origin, the same for every paced reader of the process,
 /// so readers of many publishers wake together) and drains what came meanwhile: one wake-up per
-/// interval, however many messages. It stays on the grid until [`LINGER`] intervals passed
+/// interval, however many messages. It stays on the grid until `LINGER` (four) intervals passed
 /// without a message, then waits for the signal again; slower streams wake on the signal with
 /// no delay. Messages are delayed at most one interval (the router's own speculative entries
 /// cover what it just routed); zero turns pacing off.
