@@ -41,6 +41,10 @@
 #      WARMUP=3s             wrk warm-up per target (32 connections)
 #      ROUNDS=1              repeat all targets this many times (each round restarts the routers)
 #      TARGETS=direct,kinference,vllm-router,sglang-router,nginx
+#                            (also `floor`: crates/proxy/examples/http_floor.rs, a bare tokio +
+#                            httparse keep-alive forwarder, round-robin, no routing: what the HTTP
+#                            layer alone can cost; FLOOR_BIN=its binary, else cargo builds it;
+#                            and `floor-hyper`, the same through hyper and hyper-util's client)
 #      CONNS=32              connections of the throughput cell
 #      PREFIX_CHARS=4000     length of each shared prefix
 #      MAX_TOKENS=8
@@ -52,7 +56,7 @@
 #      KINF_FLAGS=           extra `kinference serve` flags, word-split (e.g.
 #                            "--tokenizer-cache-bytes 0")
 #      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on the kinference
-#                            router during its 32-connection cell (RESULTS/.../kinference.rN.perf.data;
+#                            router (and the floor) during its 32-connection cell (RESULTS/.../kinference.rN.perf.data;
 #                            its CPU per request is then measured with perf attached)
 #      LOAD_CPUS=, ROUTER_CPUS=   CPU lists for taskset (e.g. LOAD_CPUS=0 ROUTER_CPUS=1): the
 #                            simulator and wrk run on LOAD_CPUS, each router on ROUTER_CPUS, so
@@ -188,7 +192,14 @@ for t in "${WANTED[@]}"; do
       if [ -z "$NGINX" ] && (need_apt nginx nginx); then NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true); fi
       if [ -n "$NGINX" ]; then RUN_TARGETS+=("$t"); else log "skipping nginx: not installed"; fi
       ;;
-    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router, nginx)" ;;
+    floor | floor-hyper)
+      if [ -z "${FLOOR_BIN:-}" ]; then
+        (cd "$REPO" && cargo build -q --release -p kinference-proxy --example http_floor) || die "building http_floor failed"
+        FLOOR_BIN=${CARGO_TARGET_DIR:-$REPO/target}/release/examples/http_floor
+      fi
+      RUN_TARGETS+=("$t")
+      ;;
+    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router, nginx, floor, floor-hyper)" ;;
   esac
 done
 
@@ -364,6 +375,12 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
         --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn \
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
+    floor | floor-hyper)
+      port=$(free_ports 1)
+      local stack=lean
+      [ "$t" = floor-hyper ] && stack=hyper
+      "${PIN_ROUTER[@]}" "$FLOOR_BIN" --stack "$stack" "127.0.0.1:$port" "${URLS[@]}" >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
+      ;;
     nginx)
       port=$(free_ports 1)
       nginx_conf "$OUT/nginx.r$round" "$port"
@@ -412,7 +429,7 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
   s0=$(proc_ticks "$SIM_PID")
   local perf_pid=""
-  if [ -n "${PERF_RECORD:-}" ] && [ "$t" = kinference ] && [ "$cell" = c32 ]; then
+  if [ -n "${PERF_RECORD:-}" ] && { [ "$t" = kinference ] || [ "${t%-hyper}" = floor ]; } && [ "$cell" = c32 ]; then
     perf record -q -F 499 --call-graph dwarf -p "$ROUTER_PID" -o "$prefix.perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi
