@@ -2,7 +2,8 @@
 //! speculative entries live, and `apply` of the decision; then percentiles of individually
 //! timed decisions over 1,000 candidates (Criterion reports means only); and one baseline's
 //! `Shadow::observe` per request on a stream like the router-latency bench's (8 shared prefixes
-//! of 58 blocks, 6 blocks of its own per request, 4 workers).
+//! of 58 blocks, 6 blocks of its own per request, 4 workers), and the same with caches larger than
+//! the CPU's (`observe-large`).
 
 use std::hint::black_box;
 use std::time::{Duration, Instant};
@@ -183,6 +184,40 @@ fn bench_shadow(c: &mut Criterion) {
             b.iter(|| black_box(observe(&mut shadow, &mut t)))
         });
     }
+    // Caches larger than the CPU's: 4,096 shared prefixes of 58 blocks, 262,144 blocks per
+    // worker, every worker holding most of them once filled (a replica's KV capacity is of
+    // this order, and each block probe then misses the caches).
+    let large = |t: u64| -> Vec<BlockHash> {
+        (0..64u64)
+            .map(|b| {
+                BlockHash(if b < 58 {
+                    ((t * 2_654_435_761) % 4096) * 1000 + b
+                } else {
+                    1 << 40 | (t * 64 + b)
+                })
+            })
+            .collect()
+    };
+    let mut shadow = Shadow::new("round-robin", 1 << 18).unwrap_or_else(|e| panic!("{e}"));
+    let mut t = 0u64;
+    let observe = |shadow: &mut Shadow, t: &mut u64| {
+        *t += 1;
+        let hs = large(*t);
+        let req = RequestCtx {
+            hashes: &hs,
+            prompt_tokens: 1024,
+            block_size: 16,
+            session: None,
+            ticket: *t,
+        };
+        shadow.observe(&req, &cands, Duration::from_millis(*t))
+    };
+    for _ in 0..40_000 {
+        observe(&mut shadow, &mut t);
+    }
+    group.bench_function(BenchmarkId::new("observe-large", "round-robin"), |b| {
+        b.iter(|| black_box(observe(&mut shadow, &mut t)))
+    });
     group.finish();
 }
 
