@@ -21,6 +21,7 @@
 //! request in flight; stopping the port shuts every connection down gracefully and [`serve`]
 //! returns once all have closed.
 
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -28,6 +29,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
+use axum::response::Response;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
@@ -43,6 +45,28 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::{Limits, Timeouts};
 use crate::limits::{LimitMetrics, PortLabel};
+
+/// What a port serves: a request in, its response out. The admin port serves an axum router;
+/// the data port dispatches its few paths itself (`server::Data`), which costs less per
+/// request than a router's matching, extensions and boxed futures.
+pub(crate) trait App: Clone + Send + Sync + 'static {
+    fn call(
+        &self,
+        req: http::Request<Incoming>,
+    ) -> impl Future<Output = Response> + Send + use<Self>;
+}
+
+impl App for axum::Router {
+    fn call(&self, req: http::Request<Incoming>) -> impl Future<Output = Response> + Send + use<> {
+        let fut = hyper::service::Service::call(&TowerToHyperService::new(self.clone()), req);
+        async move {
+            match fut.await {
+                Ok(resp) => resp,
+                Err(never) => match never {},
+            }
+        }
+    }
+}
 
 /// What every connection of a port is held to.
 #[derive(Clone, Debug)]
@@ -185,9 +209,9 @@ enum Next {
 /// One port's accept loop and connections, until `stop`; returns once every connection closed.
 /// With a `share`, the port's connections are spread over the threads serving it ([`Spread`]).
 #[allow(clippy::too_many_arguments)]
-pub(crate) async fn serve(
+pub(crate) async fn serve<A: App>(
     listener: TcpListener,
-    app: axum::Router,
+    app: A,
     stop: CancellationToken,
     port: &'static str,
     places: Arc<Places>,
@@ -377,9 +401,9 @@ fn is_connection_error(e: &std::io::Error) -> bool {
     )
 }
 
-struct Connection {
+struct Connection<A> {
     builder: Arc<auto::Builder<TokioExecutor>>,
-    app: axum::Router,
+    app: A,
     rules: ConnRules,
     stop: CancellationToken,
     metrics: LimitMetrics,
@@ -393,20 +417,20 @@ enum Expiry {
     KeepAlive,
 }
 
-impl Connection {
+impl<A: App> Connection<A> {
     async fn run(self, tcp: TcpStream) {
         let state = Arc::new(ConnState::new());
         let io = TokioIo::new(Watched {
             tcp,
             state: state.clone(),
         });
-        let inner = TowerToHyperService::new(self.app.clone());
+        let app = self.app.clone();
         let tracked = state.clone();
         let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
             let active = Active::begin(&tracked);
-            let fut = hyper::service::Service::call(&inner, req);
+            let fut = app.call(req);
             async move {
-                let resp = fut.await?;
+                let resp = fut.await;
                 Ok::<_, std::convert::Infallible>(resp.map(|inner| {
                     Body::new(Tracked {
                         inner,

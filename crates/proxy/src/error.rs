@@ -52,6 +52,12 @@ pub enum RequestError {
         no_replica: bool,
         retry_after_s: u32,
     },
+    /// A method the path does not take (405, with `Allow`).
+    #[error("{method} is not allowed here; this path takes {allow}")]
+    MethodNotAllowed {
+        method: http::Method,
+        allow: &'static str,
+    },
 }
 
 impl RequestError {
@@ -68,6 +74,7 @@ impl RequestError {
                 no_replica: true, ..
             } => StatusCode::SERVICE_UNAVAILABLE,
             RequestError::Overloaded { .. } => StatusCode::TOO_MANY_REQUESTS,
+            RequestError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
         }
     }
 
@@ -85,6 +92,7 @@ impl RequestError {
                 no_replica: true, ..
             } => "ServiceUnavailableError",
             RequestError::Overloaded { .. } => "RateLimitError",
+            RequestError::MethodNotAllowed { .. } => "MethodNotAllowedError",
         }
     }
 
@@ -100,6 +108,7 @@ impl RequestError {
             RequestError::Timeout { .. } => "timeout",
             RequestError::BodyTimeout { .. } => "body_timeout",
             RequestError::Overloaded { .. } => "overloaded",
+            RequestError::MethodNotAllowed { .. } => "method_not_allowed",
         }
     }
 
@@ -134,6 +143,10 @@ impl IntoResponse for RequestError {
         if let Some(s) = self.retry_after_s() {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if let RequestError::MethodNotAllowed { allow, .. } = &self {
+            resp.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(allow));
         }
         // The rest of the body was not read: the connection cannot carry another request.
         if let RequestError::BodyTimeout { .. } = &self {

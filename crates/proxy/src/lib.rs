@@ -598,7 +598,7 @@ impl Shard {
             let upstream = Upstream::new(t.connect(), t.pool_idle());
             let rules = conn::ConnRules::new(t, &fleet.settings.limits);
             let metrics = fleet.metrics.limits.clone();
-            let app = server::router(fleet, upstream);
+            let app = server::Data::new(fleet, upstream);
             tokio::select! {
                 () = conn::serve(listener, app, stop, "data", places, rules, metrics, Some(share)) => {}
                 () = cut.cancelled() => {}

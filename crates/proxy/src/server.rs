@@ -2,9 +2,10 @@
 //! decide where it goes ([`crate::decide`]) → forward and stream the answer back
 //! ([`crate::forward`]) → or answer the router's own error ([`reject`]).
 //!
-//! `/v1/completions` and `/v1/chat/completions` are routed by the pool's policy, `/v1/models`
-//! is aggregated over the fleet, every other path is passed through to a replica of the pool
-//! its `model` names (the first pool without one), least loaded first.
+//! `POST /v1/completions` and `POST /v1/chat/completions` are routed by the pool's policy,
+//! `GET /v1/models` is aggregated over the fleet, those paths' other methods are answered 405,
+//! and every other path is passed through to a replica of the pool its `model` names (the
+//! first pool without one), least loaded first.
 //!
 //! Invariant: a handler always ends in exactly one response: the replica's (streamed as it
 //! comes), or the router's own error in OpenAI's shape, counted once.
@@ -13,17 +14,20 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Request, State};
+use std::future::Future;
+
+use axum::body::Body;
+use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
-use axum::Router;
-use http::StatusCode;
+use http::{Method, StatusCode};
+use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
 
 use crate::api::Health;
 use crate::body::{path_and_query, read_body};
+use crate::conn::App;
 use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
@@ -40,21 +44,43 @@ pub(crate) struct Data {
     upstream: Upstream,
 }
 
-pub(crate) fn router(fleet: Arc<Fleet>, upstream: Upstream) -> Router {
-    Router::new()
-        .route("/v1/completions", post(completions))
-        .route("/v1/chat/completions", post(chat_completions))
-        .route("/v1/models", get(models))
-        .fallback(passthrough)
-        .with_state(Data { fleet, upstream })
+impl Data {
+    pub(crate) fn new(fleet: Arc<Fleet>, upstream: Upstream) -> Self {
+        Data { fleet, upstream }
+    }
 }
 
-async fn completions(State(data): State<Data>, req: Request) -> Response {
-    routed(data, Api::Completions, req).await
+/// The data port's paths, matched here rather than by a router (see [`App`]): exact paths
+/// only, a path's other methods answered 405 with `Allow`, anything else passed through.
+impl App for Data {
+    fn call(&self, req: http::Request<Incoming>) -> impl Future<Output = Response> + Send + use<> {
+        let data = self.clone();
+        let req = req.map(Body::new);
+        async move {
+            let m = req.method();
+            match req.uri().path() {
+                "/v1/completions" if m == Method::POST => routed(data, Api::Completions, req).await,
+                "/v1/chat/completions" if m == Method::POST => routed(data, Api::Chat, req).await,
+                "/v1/models" if m == Method::GET || m == Method::HEAD => models(data).await,
+                "/v1/completions" | "/v1/chat/completions" => not_allowed(&data, &req, "POST"),
+                "/v1/models" => not_allowed(&data, &req, "GET,HEAD"),
+                _ => passthrough(data, req).await,
+            }
+        }
+    }
 }
 
-async fn chat_completions(State(data): State<Data>, req: Request) -> Response {
-    routed(data, Api::Chat, req).await
+fn not_allowed(data: &Data, req: &Request, allow: &'static str) -> Response {
+    let route = match req.uri().path() {
+        "/v1/completions" => Api::Completions.route_label(),
+        "/v1/chat/completions" => Api::Chat.route_label(),
+        _ => "models",
+    };
+    let err = RequestError::MethodNotAllowed {
+        method: req.method().clone(),
+        allow,
+    };
+    reject(&data.fleet, route, err)
 }
 
 /// A request the pool's policy places.
@@ -148,7 +174,7 @@ struct ModelOnly {
 }
 
 /// Any other path: to the least loaded replica of the request's pool.
-async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request) -> Response {
+async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
     let start = Instant::now();
     let route = route_label(req.uri().path());
     let (parts, body) = match read_body(&fleet, "data", req).await {
@@ -190,7 +216,7 @@ async fn passthrough(State(Data { fleet, upstream }): State<Data>, req: Request)
 
 /// `GET /v1/models`: the models every pool serves, with the replicas' own descriptions where
 /// one answers, and a minimal entry otherwise.
-async fn models(State(Data { fleet, upstream }): State<Data>) -> Response {
+async fn models(Data { fleet, upstream }: Data) -> Response {
     let timeout = fleet
         .settings
         .timeouts

@@ -875,6 +875,44 @@ async fn errors_are_openai_json() {
         metric(&text, "kinference_router_errors_total{kind=\"no_replica\"}"),
         1.0
     );
+    // A routed path's other methods: 405 in the same shape, with `Allow`; `/v1/models`
+    // answers HEAD as GET; a path of its own goes to a replica.
+    for (method, path, allow) in [
+        (reqwest::Method::GET, "/v1/completions", "POST"),
+        (reqwest::Method::PUT, "/v1/chat/completions", "POST"),
+        (reqwest::Method::POST, "/v1/models", "GET,HEAD"),
+    ] {
+        let resp = client()
+            .request(method.clone(), format!("http://{addr}{path}"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status().as_u16(), 405, "{method} {path}");
+        assert_eq!(resp.headers()["allow"], allow, "{method} {path}");
+        let e: ErrorBody = serde_json::from_str(&resp.text().await.unwrap()).unwrap();
+        assert_eq!(e.error.kind, "MethodNotAllowedError");
+        assert_eq!(e.error.code, 405);
+    }
+    let head = client()
+        .head(format!("http://{addr}/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(head.status().as_u16(), 200);
+    assert!(head.text().await.unwrap().is_empty());
+    assert_eq!(
+        get(addr, "/v1/completions/").await.0,
+        404,
+        "the replica's own 404"
+    );
+    let (_, text) = get(proxy.admin_addr(), "/metrics").await;
+    assert_eq!(
+        metric(
+            &text,
+            "kinference_router_errors_total{kind=\"method_not_allowed\"}"
+        ),
+        3.0
+    );
     let (status, ready) = get(proxy.admin_addr(), "/readyz").await;
     assert_eq!(status, 503, "the gone pool has no healthy replica: {ready}");
     assert_eq!(get(proxy.admin_addr(), "/healthz").await.0, 200);
