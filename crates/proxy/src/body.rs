@@ -8,7 +8,6 @@
 
 use std::time::Duration;
 
-use axum::extract::Request;
 use bytes::{Bytes, BytesMut};
 use http::header;
 use http::request::Parts;
@@ -20,11 +19,15 @@ use crate::fleet::Fleet;
 
 /// Reads a whole request body within the fleet's size and time limits; a body cut for its
 /// slowness is counted under `port`.
-pub(crate) async fn read_body(
+pub(crate) async fn read_body<B>(
     fleet: &Fleet,
     port: &'static str,
-    req: Request,
-) -> Result<(Parts, Bytes), RequestError> {
+    req: http::Request<B>,
+) -> Result<(Parts, Bytes), RequestError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let s = &fleet.settings;
     let read = read_within(
         s.max_body_bytes,
@@ -41,12 +44,16 @@ pub(crate) async fn read_body(
 
 /// Reads a whole body of at most `limit` bytes that arrives within `grace` plus
 /// `received / min_rate` seconds.
-async fn read_within(
+async fn read_within<B>(
     limit: usize,
     grace: Duration,
     min_rate: u64,
-    req: Request,
-) -> Result<(Parts, Bytes), RequestError> {
+    req: http::Request<B>,
+) -> Result<(Parts, Bytes), RequestError>
+where
+    B: http_body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let (parts, body) = req.into_parts();
     let declared = parts
         .headers
@@ -127,6 +134,7 @@ mod tests {
 
     use super::*;
     use axum::body::Body;
+    use axum::extract::Request;
     use futures_util::StreamExt;
 
     /// A body that sends `chunk` bytes every `every`, `n` times.

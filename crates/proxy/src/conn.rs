@@ -431,11 +431,10 @@ impl<A: App> Connection<A> {
             let fut = app.call(req);
             async move {
                 let resp = fut.await;
-                Ok::<_, std::convert::Infallible>(resp.map(|inner| {
-                    Body::new(Tracked {
-                        inner,
-                        _active: active,
-                    })
+                // Not boxed again: hyper takes the wrapper as the body type.
+                Ok::<_, std::convert::Infallible>(resp.map(|inner| Tracked {
+                    inner,
+                    _active: active,
                 }))
             }
         });

@@ -16,8 +16,6 @@ use std::time::Duration;
 
 use std::future::Future;
 
-use axum::body::Body;
-use axum::extract::Request;
 use axum::response::{IntoResponse, Response};
 use http::{Method, StatusCode};
 use hyper::body::Incoming;
@@ -35,6 +33,9 @@ use crate::forward::{forward, Accounting, Forward};
 use crate::metrics::RequestLabels;
 use crate::upstream::Upstream;
 use crate::warming;
+
+/// A request as hyper hands it over (its body read by [`read_body`], never boxed).
+type Request = http::Request<Incoming>;
 
 /// What the data port's handlers share: the fleet, and the upstream client of the thread
 /// they run on.
@@ -55,7 +56,6 @@ impl Data {
 impl App for Data {
     fn call(&self, req: http::Request<Incoming>) -> impl Future<Output = Response> + Send + use<> {
         let data = self.clone();
-        let req = req.map(Body::new);
         async move {
             let m = req.method();
             match req.uri().path() {

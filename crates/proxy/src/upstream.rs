@@ -7,6 +7,7 @@
 //! Invariant: an upstream request carries exactly the bytes the client sent as its body; only
 //! headers are touched (hop-by-hop removed, `Host`, and vLLM's `X-data-parallel-rank`).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,9 +25,13 @@ use crate::link::{LinkBody, LinkError, Links};
 pub(crate) const DP_RANK_HEADER: &str = "x-data-parallel-rank";
 
 /// The upstream client: forwarded requests on connections driven by the requests themselves
-/// (`link`), scrapes and other small GETs on a pooled hyper client.
+/// (`link`), scrapes and other small GETs on a pooled hyper client. One `Arc`: every request
+/// takes a clone, and a hyper client's own clone is a handful of them.
 #[derive(Clone, Debug)]
-pub(crate) struct Upstream {
+pub(crate) struct Upstream(Arc<Clients>);
+
+#[derive(Debug)]
+struct Clients {
     client: Client<HttpConnector, Full<Bytes>>,
     /// The same for h2c replicas: HTTP/2 only, with prior knowledge.
     client_h2: Client<HttpConnector, Full<Bytes>>,
@@ -50,11 +55,11 @@ impl Upstream {
             .pool_idle_timeout(pool_idle)
             .http2_only(true)
             .build(connector);
-        Upstream {
+        Upstream(Arc::new(Clients {
             client,
             client_h2,
             links: Links::new(connect_timeout, pool_idle),
-        }
+        }))
     }
 
     /// Forwards one request to `endpoint`.
@@ -64,9 +69,9 @@ impl Upstream {
         req: Request<Full<Bytes>>,
     ) -> Result<Response<LinkBody>, LinkError> {
         if endpoint.h2c {
-            self.links.send_h2(&endpoint.authority, req).await
+            self.0.links.send_h2(&endpoint.authority, req).await
         } else {
-            self.links.send(&endpoint.authority, req).await
+            self.0.links.send(&endpoint.authority, req).await
         }
     }
 
@@ -86,9 +91,9 @@ impl Upstream {
             .body(Full::new(Bytes::new()))
             .map_err(UriError)?;
         let client = if endpoint.h2c {
-            &self.client_h2
+            &self.0.client_h2
         } else {
-            &self.client
+            &self.0.client
         };
         let fut = async {
             let resp = client
