@@ -45,7 +45,7 @@ use crate::config::{
 };
 use crate::error::{RequestError, StartError};
 use crate::limits::{Gate, QueueLabel};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ReplicaSeries};
 use crate::savings::{BaselineGuess, Saved, SavingsModel};
 use crate::upstream::Upstream;
 use crate::warm::Warmer;
@@ -506,6 +506,8 @@ pub(crate) struct Replica {
     /// Recent prefixes this replica served from cache that no other replica held
     /// (`scale_in`), on the fleet's clock ([`Fleet::now`]).
     scale_in: Mutex<UniqueHits>,
+    /// Its series of the request path's metric families.
+    pub series: ReplicaSeries,
 }
 
 impl Replica {
@@ -536,6 +538,7 @@ impl Replica {
             scorable: AtomicBool::new(true),
             info: Mutex::new(ReplicaInfo::default()),
             scale_in: Mutex::new(UniqueHits::new(SCALE_IN_PREFIXES)),
+            series: ReplicaSeries::default(),
         }
     }
 

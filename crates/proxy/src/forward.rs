@@ -30,6 +30,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::Full;
+use prometheus_client::metrics::histogram::Histogram;
 use tokio::time::{Instant, Sleep};
 
 use crate::decide::Target;
@@ -37,7 +38,7 @@ use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Replica};
 use crate::limits::Admitted;
 use crate::link::LinkBody;
-use crate::metrics::{PoolKind, ReplicaKind, RequestLabels, RouteLabel, RouteReplica};
+use crate::metrics::{PoolKind, ReplicaKind, RouteLabel};
 use crate::savings::BaselineGuess;
 use crate::upstream::{build_request, error_chain, response_headers, Upstream, UriError};
 use crate::usage::UsageScanner;
@@ -259,15 +260,15 @@ fn respond(
     let (parts, incoming) = resp.into_parts();
     let status = parts.status;
     let mut headers = response_headers(&parts.headers);
-    fleet
-        .metrics
-        .requests
-        .get_or_create(&RequestLabels {
-            route: req.route,
-            replica: t.replica.url().to_owned(),
-            status: status.as_u16(),
-        })
-        .inc();
+    let m = &fleet.metrics;
+    m.replica_requests(
+        &t.replica.series,
+        t.replica.url(),
+        req.route,
+        status.as_u16(),
+    )
+    .inc();
+    let (first_byte, duration) = m.replica_timing(&t.replica.series, t.replica.url(), req.route);
     if fleet.settings.expose_endpoint_header {
         endpoint_headers(&mut headers, t);
     }
@@ -291,7 +292,9 @@ fn respond(
         obs: Observer {
             fleet: fleet.clone(),
             route: req.route,
-            replica: t.replica.url().to_owned(),
+            replica: t.replica.clone(),
+            first_byte,
+            duration,
             pool: req.accounting.pool().map(str::to_owned),
             prompt_tokens: req.accounting.prompt_tokens(),
             predicted_cached: t.predicted_cached,
@@ -330,21 +333,14 @@ fn is_sse(headers: &HeaderMap) -> bool {
 struct Observer {
     fleet: Arc<Fleet>,
     route: &'static str,
-    replica: String,
+    replica: Arc<Replica>,
+    first_byte: Histogram,
+    duration: Histogram,
     pool: Option<String>,
     prompt_tokens: u32,
     predicted_cached: u32,
     baselines: Vec<BaselineGuess>,
     start: Instant,
-}
-
-impl Observer {
-    fn labels(&self) -> RouteReplica {
-        RouteReplica {
-            route: self.route,
-            replica: self.replica.clone(),
-        }
-    }
 }
 
 /// The replica's response body on its way to the client.
@@ -374,9 +370,8 @@ impl UpstreamBody {
             return;
         }
         self.finished = true;
-        let m = &self.obs.fleet.metrics;
-        m.duration
-            .get_or_create(&self.obs.labels())
+        self.obs
+            .duration
             .observe(self.obs.start.elapsed().as_secs_f64());
         if let (Some(pool), Some(actual)) = (
             &self.obs.pool,
@@ -406,18 +401,18 @@ impl UpstreamBody {
         let m = &self.obs.fleet.metrics;
         m.upstream_failures
             .get_or_create(&ReplicaKind {
-                replica: self.obs.replica.clone(),
+                replica: self.obs.replica.url().to_owned(),
                 kind,
             })
             .inc();
-        tracing::warn!(replica = %self.obs.replica, kind, error = %detail, "response cut short");
+        tracing::warn!(replica = %self.obs.replica.url(), kind, error = %detail, "response cut short");
         let message = format!(
             "replica {} failed mid-response ({kind}): {detail}",
-            self.obs.replica
+            self.obs.replica.url()
         );
         if self.sse {
             let body = RequestError::Upstream {
-                replica: self.obs.replica.clone(),
+                replica: self.obs.replica.url().to_owned(),
                 detail: message,
             }
             .body();
@@ -456,10 +451,7 @@ impl http_body::Body for UpstreamBody {
                             g.release_prefill();
                         }
                         this.obs
-                            .fleet
-                            .metrics
                             .first_byte
-                            .get_or_create(&this.obs.labels())
                             .observe(this.obs.start.elapsed().as_secs_f64());
                     }
                     if let Some(s) = this.scanner.as_mut() {
@@ -524,6 +516,6 @@ impl Drop for UpstreamBody {
                 route: self.obs.route,
             })
             .inc();
-        tracing::debug!(replica = %self.obs.replica, "client disconnected; upstream request dropped");
+        tracing::debug!(replica = %self.obs.replica.url(), "client disconnected; upstream request dropped");
     }
 }

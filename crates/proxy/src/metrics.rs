@@ -174,6 +174,17 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_25, 2.0, 21))
 }
 
+/// One replica's series of the families every response updates, found once per route (and
+/// status) and kept with the replica, so a response does not hash the replica's URL into
+/// three families. A replica that left keeps its handles only while its last requests finish;
+/// its series are then removed from the families ([`Metrics::forget_replicas`]).
+#[derive(Debug, Default)]
+pub(crate) struct ReplicaSeries {
+    requests: RwLock<Vec<(&'static str, u16, Counter)>>,
+    /// Per route: time to first byte, duration.
+    timing: RwLock<Vec<(&'static str, Histogram, Histogram)>>,
+}
+
 /// Families updated on the request path. Clones share the same series.
 #[derive(Clone, Debug)]
 pub(crate) struct Metrics {
@@ -348,6 +359,64 @@ impl Metrics {
             tokens.inc_by(b.tokens);
             gpu_seconds.inc_by(b.gpu_seconds);
         }
+    }
+
+    /// `replica`'s answered-requests counter for `route` and `status` (`url` is the replica's
+    /// label), from its cache in `series`.
+    pub fn replica_requests(
+        &self,
+        series: &ReplicaSeries,
+        url: &str,
+        route: &'static str,
+        status: u16,
+    ) -> Counter {
+        let found = series
+            .requests
+            .read()
+            .iter()
+            .find(|(r, s, _)| *r == route && *s == status)
+            .map(|(_, _, c)| c.clone());
+        found.unwrap_or_else(|| {
+            let c = self
+                .requests
+                .get_or_create(&RequestLabels {
+                    route,
+                    replica: url.to_owned(),
+                    status,
+                })
+                .clone();
+            series.requests.write().push((route, status, c.clone()));
+            c
+        })
+    }
+
+    /// `replica`'s time-to-first-byte and duration histograms for `route`.
+    pub fn replica_timing(
+        &self,
+        series: &ReplicaSeries,
+        url: &str,
+        route: &'static str,
+    ) -> (Histogram, Histogram) {
+        let found = series
+            .timing
+            .read()
+            .iter()
+            .find(|(r, _, _)| *r == route)
+            .map(|(_, f, d)| (f.clone(), d.clone()));
+        found.unwrap_or_else(|| {
+            let labels = RouteReplica {
+                route,
+                replica: url.to_owned(),
+            };
+            // One statement per handle: a family's guard lives to the end of its statement.
+            let first = self.first_byte.get_or_create(&labels).clone();
+            let duration = self.duration.get_or_create(&labels).clone();
+            series
+                .timing
+                .write()
+                .push((route, first.clone(), duration.clone()));
+            (first, duration)
+        })
     }
 
     /// A pool's prompt tokens over the requests whose response reported cached tokens.
