@@ -11,6 +11,7 @@ use std::time::Duration;
 use bytes::{Bytes, BytesMut};
 use http::header;
 use http::request::Parts;
+use http::uri::PathAndQuery;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
@@ -120,12 +121,14 @@ where
     Ok((parts, bytes))
 }
 
-/// The request target as forwarded: path and query.
-pub(crate) fn path_and_query(parts: &Parts) -> String {
+/// The request target as forwarded: path and query (a shared handle of the parsed request's,
+/// not a copy).
+pub(crate) fn path_and_query(parts: &Parts) -> PathAndQuery {
     parts
         .uri
         .path_and_query()
-        .map_or_else(|| parts.uri.path().to_owned(), |p| p.as_str().to_owned())
+        .cloned()
+        .unwrap_or_else(|| PathAndQuery::from_static("/"))
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
 use http_body_util::Full;
@@ -54,7 +55,7 @@ pub(crate) struct Forward {
     pub pool: String,
     pub accounting: Accounting,
     pub method: Method,
-    pub path_and_query: String,
+    pub path_and_query: PathAndQuery,
     pub headers: HeaderMap,
     pub body: Bytes,
     pub start: Instant,

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -142,6 +143,19 @@ pub(crate) fn upstream_uri(endpoint: &Endpoint, path_and_query: &str) -> Result<
         .build()?)
 }
 
+/// A forwarded request's URI: the client's path and query as parsed already, unless the
+/// endpoint's base URL has a path to put in front of it.
+fn forwarded_uri(endpoint: &Endpoint, path_and_query: &PathAndQuery) -> Result<Uri, UriError> {
+    if !endpoint.prefix.is_empty() {
+        return upstream_uri(endpoint, path_and_query.as_str());
+    }
+    Ok(Uri::builder()
+        .scheme("http")
+        .authority(endpoint.authority.clone())
+        .path_and_query(path_and_query.clone())
+        .build()?)
+}
+
 /// An error with its sources, for messages (hyper's top-level errors say little).
 pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut s = e.to_string();
@@ -154,9 +168,27 @@ pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     s
 }
 
+/// The standard hop-by-hop headers (RFC 9110 §7.6.1) and the two legacy ones.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    name == header::CONNECTION
+        || name == header::PROXY_AUTHENTICATE
+        || name == header::PROXY_AUTHORIZATION
+        || name == header::TE
+        || name == header::TRAILER
+        || name == header::TRANSFER_ENCODING
+        || name == header::UPGRADE
+        || name.as_str() == "keep-alive"
+        || name.as_str() == "proxy-connection"
+}
+
 /// Headers that describe one connection, not the message (RFC 9110 §7.6.1), plus the ones
 /// named in `Connection`.
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages carry none (and a header named in `Connection` needs `Connection`): one
+    // pass over the few names present instead of a lookup of each name that might be.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
@@ -186,17 +218,19 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// original body bytes, HTTP/1.1 (HTTP/2 for an h2c replica).
 pub(crate) fn build_request(
     method: &Method,
-    path_and_query: &str,
+    path_and_query: &PathAndQuery,
     client_headers: &HeaderMap,
     body: Bytes,
     endpoint: &Endpoint,
     rank: Option<usize>,
 ) -> Result<Request<Full<Bytes>>, UriError> {
-    let uri = upstream_uri(endpoint, path_and_query)?;
+    let uri = forwarded_uri(endpoint, path_and_query)?;
     let mut headers = client_headers.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
-    headers.remove(DP_RANK_HEADER);
+    if rank.is_some() || headers.keys().any(|k| k.as_str() == DP_RANK_HEADER) {
+        headers.remove(DP_RANK_HEADER);
+    }
     if let Ok(v) = HeaderValue::from_str(endpoint.authority.as_str()) {
         headers.insert(header::HOST, v);
     }
@@ -254,5 +288,67 @@ mod tests {
         assert_eq!(names.len(), 2, "{names:?}");
         assert!(out.contains_key(header::AUTHORIZATION));
         assert!(out.contains_key(header::CONTENT_TYPE));
+    }
+
+    /// Each hop-by-hop header goes even alone (no `Connection` to name it); a message with
+    /// none keeps all its headers.
+    #[test]
+    fn each_hop_by_hop_header_is_dropped_alone() {
+        for name in [
+            "te",
+            "trailer",
+            "upgrade",
+            "transfer-encoding",
+            "proxy-authenticate",
+            "proxy-authorization",
+            "keep-alive",
+            "proxy-connection",
+            "connection",
+        ] {
+            let mut h = HeaderMap::new();
+            h.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+            h.insert(HeaderName::from_static(name), HeaderValue::from_static("x"));
+            let out = response_headers(&h);
+            assert_eq!(out.len(), 1, "{name}: {out:?}");
+            assert!(out.contains_key(header::ACCEPT), "{name}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(header::ACCEPT, HeaderValue::from_static("*/*"));
+        h.insert("x-request-id", HeaderValue::from_static("7"));
+        assert_eq!(response_headers(&h), h);
+    }
+
+    /// The client's rank header never reaches a replica unless the router sets it; `Host`
+    /// names the replica; the path and query go as sent, behind the endpoint's prefix.
+    #[test]
+    fn a_forwarded_request_names_the_replica_and_only_the_routers_rank() {
+        let pq = PathAndQuery::from_static("/v1/completions?x=1");
+        let mut client = HeaderMap::new();
+        client.insert(header::HOST, HeaderValue::from_static("router:80"));
+        client.insert(DP_RANK_HEADER, HeaderValue::from_static("3"));
+        let plain = Endpoint::parse("http://10.0.0.1:8000").unwrap();
+        let req = build_request(&Method::POST, &pq, &client, Bytes::new(), &plain, None).unwrap();
+        assert_eq!(req.headers()[header::HOST], "10.0.0.1:8000");
+        assert!(!req.headers().contains_key(DP_RANK_HEADER));
+        assert_eq!(
+            req.uri().to_string(),
+            "http://10.0.0.1:8000/v1/completions?x=1"
+        );
+        let prefixed = Endpoint::parse("http://10.0.0.1:8000/base").unwrap();
+        let req = build_request(
+            &Method::POST,
+            &pq,
+            &client,
+            Bytes::new(),
+            &prefixed,
+            Some(1),
+        )
+        .unwrap();
+        assert_eq!(req.headers()[DP_RANK_HEADER], "1");
+        assert_eq!(req.headers().get_all(DP_RANK_HEADER).iter().count(), 1);
+        assert_eq!(
+            req.uri().to_string(),
+            "http://10.0.0.1:8000/base/v1/completions?x=1"
+        );
     }
 }

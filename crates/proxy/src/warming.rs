@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
+use http::uri::PathAndQuery;
 use http::Method;
 use http_body_util::{BodyExt, Limited};
 use kinference_vllm::BlockHash;
@@ -90,7 +91,7 @@ pub(crate) fn spawn(
     }
     let req = match build_request(
         &Method::POST,
-        "/v1/completions",
+        &PathAndQuery::from_static("/v1/completions"),
         &headers,
         Bytes::from(json.to_string()),
         &replica.endpoint,
