@@ -180,9 +180,21 @@ fn latency_histogram() -> Histogram {
 /// its series are then removed from the families ([`Metrics::forget_replicas`]).
 #[derive(Debug, Default)]
 pub(crate) struct ReplicaSeries {
-    requests: RwLock<Vec<(&'static str, u16, Counter)>>,
+    /// Per (route, status).
+    requests: RwLock<Vec<((&'static str, u16), Counter)>>,
     /// Per route: time to first byte, duration.
-    timing: RwLock<Vec<(&'static str, Histogram, Histogram)>>,
+    timing: RwLock<Vec<(&'static str, (Histogram, Histogram))>>,
+}
+
+/// The handles kept under `key` in `list`, or `make`'s, kept from now on. Two requests that
+/// miss at once may both keep theirs: the same series, found first either way.
+fn kept<K: PartialEq, V: Clone>(list: &RwLock<Vec<(K, V)>>, key: K, make: impl FnOnce() -> V) -> V {
+    if let Some((_, v)) = list.read().iter().find(|(k, _)| *k == key) {
+        return v.clone();
+    }
+    let v = make();
+    list.write().push((key, v.clone()));
+    v
 }
 
 /// Families updated on the request path. Clones share the same series.
@@ -370,23 +382,14 @@ impl Metrics {
         route: &'static str,
         status: u16,
     ) -> Counter {
-        let found = series
-            .requests
-            .read()
-            .iter()
-            .find(|(r, s, _)| *r == route && *s == status)
-            .map(|(_, _, c)| c.clone());
-        found.unwrap_or_else(|| {
-            let c = self
-                .requests
+        kept(&series.requests, (route, status), || {
+            self.requests
                 .get_or_create(&RequestLabels {
                     route,
                     replica: url.to_owned(),
                     status,
                 })
-                .clone();
-            series.requests.write().push((route, status, c.clone()));
-            c
+                .clone()
         })
     }
 
@@ -397,13 +400,7 @@ impl Metrics {
         url: &str,
         route: &'static str,
     ) -> (Histogram, Histogram) {
-        let found = series
-            .timing
-            .read()
-            .iter()
-            .find(|(r, _, _)| *r == route)
-            .map(|(_, f, d)| (f.clone(), d.clone()));
-        found.unwrap_or_else(|| {
+        kept(&series.timing, route, || {
             let labels = RouteReplica {
                 route,
                 replica: url.to_owned(),
@@ -411,10 +408,6 @@ impl Metrics {
             // One statement per handle: a family's guard lives to the end of its statement.
             let first = self.first_byte.get_or_create(&labels).clone();
             let duration = self.duration.get_or_create(&labels).clone();
-            series
-                .timing
-                .write()
-                .push((route, first.clone(), duration.clone()));
             (first, duration)
         })
     }

@@ -62,20 +62,18 @@ impl App for Data {
                 "/v1/completions" if m == Method::POST => routed(data, Api::Completions, req).await,
                 "/v1/chat/completions" if m == Method::POST => routed(data, Api::Chat, req).await,
                 "/v1/models" if m == Method::GET || m == Method::HEAD => models(data).await,
-                "/v1/completions" | "/v1/chat/completions" => not_allowed(&data, &req, "POST"),
-                "/v1/models" => not_allowed(&data, &req, "GET,HEAD"),
+                "/v1/completions" => {
+                    not_allowed(&data, &req, Api::Completions.route_label(), "POST")
+                }
+                "/v1/chat/completions" => not_allowed(&data, &req, Api::Chat.route_label(), "POST"),
+                "/v1/models" => not_allowed(&data, &req, "models", "GET,HEAD"),
                 _ => passthrough(data, req).await,
             }
         }
     }
 }
 
-fn not_allowed(data: &Data, req: &Request, allow: &'static str) -> Response {
-    let route = match req.uri().path() {
-        "/v1/completions" => Api::Completions.route_label(),
-        "/v1/chat/completions" => Api::Chat.route_label(),
-        _ => "models",
-    };
+fn not_allowed(data: &Data, req: &Request, route: &'static str, allow: &'static str) -> Response {
     let err = RequestError::MethodNotAllowed {
         method: req.method().clone(),
         allow,

@@ -196,22 +196,14 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .flat_map(|v| v.split(','))
         .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
         .collect();
-    for n in named {
+    let hop: Vec<HeaderName> = headers
+        .keys()
+        .filter(|k| is_hop_by_hop(k))
+        .cloned()
+        .collect();
+    for n in named.into_iter().chain(hop) {
         headers.remove(n);
     }
-    for n in [
-        header::CONNECTION,
-        header::PROXY_AUTHENTICATE,
-        header::PROXY_AUTHORIZATION,
-        header::TE,
-        header::TRAILER,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-    ] {
-        headers.remove(n);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
 }
 
 /// The upstream request for one attempt: same method, path and end-to-end headers, the
@@ -228,7 +220,8 @@ pub(crate) fn build_request(
     let mut headers = client_headers.clone();
     strip_hop_by_hop(&mut headers);
     headers.remove(header::HOST);
-    if rank.is_some() || headers.keys().any(|k| k.as_str() == DP_RANK_HEADER) {
+    // With a rank the insert below replaces the client's; without, drop it if sent.
+    if rank.is_none() && headers.keys().any(|k| k.as_str() == DP_RANK_HEADER) {
         headers.remove(DP_RANK_HEADER);
     }
     if let Ok(v) = HeaderValue::from_str(endpoint.authority.as_str()) {
