@@ -8,7 +8,8 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use criterion::{criterion_group, BenchmarkId, Criterion};
+use criterion::measurement::WallTime;
+use criterion::{criterion_group, BenchmarkGroup, BenchmarkId, Criterion};
 use kinference_index::{ReplicaId, TierCounts, WorkerId};
 use kinference_policy::{Candidate, Load, Policy, PolicyConfig, RequestCtx, Shadow};
 use kinference_vllm::{BlockHash, DpRank};
@@ -147,76 +148,69 @@ fn thread_cpu() -> Duration {
     )
 }
 
-fn bench_shadow(c: &mut Criterion) {
+/// Request `t` of a stream: 58 blocks of the shared prefix `prefix`, then 6 of its own,
+/// numbered from `own`.
+fn request_blocks(t: u64, prefix: u64, own: u64) -> Vec<BlockHash> {
+    (0..64u64)
+        .map(|b| {
+            BlockHash(if b < 58 {
+                prefix * 1000 + b
+            } else {
+                own + t * 64 + b
+            })
+        })
+        .collect()
+}
+
+/// Fills `shadow` with `warm` requests of the stream `blocks`, then times one more per
+/// iteration.
+fn bench_observe(
+    group: &mut BenchmarkGroup<'_, WallTime>,
+    id: BenchmarkId,
+    mut shadow: Shadow,
+    warm: usize,
+    blocks: impl Fn(u64) -> Vec<BlockHash>,
+) {
     let cands = candidates(4);
-    let prompt = |t: u64| -> Vec<BlockHash> {
-        (0..64u64)
-            .map(|b| {
-                BlockHash(if b < 58 {
-                    (t % 8) * 1000 + b
-                } else {
-                    1_000_000 + t * 64 + b
-                })
-            })
-            .collect()
-    };
-    let mut group = c.benchmark_group("shadow");
-    for name in ["round-robin", "approximate"] {
-        // Caches of 2,048 blocks per worker, filled by the same stream first.
-        let mut shadow = Shadow::new(name, 2048).unwrap_or_else(|e| panic!("{e}"));
-        let mut t = 0u64;
-        let observe = |shadow: &mut Shadow, t: &mut u64| {
-            *t += 1;
-            let hs = prompt(*t);
-            let req = RequestCtx {
-                hashes: &hs,
-                prompt_tokens: 1024,
-                block_size: 16,
-                session: None,
-                ticket: *t,
-            };
-            shadow.observe(&req, &cands, Duration::from_millis(*t))
-        };
-        for _ in 0..10_000 {
-            observe(&mut shadow, &mut t);
-        }
-        group.bench_function(BenchmarkId::new("observe", name), |b| {
-            b.iter(|| black_box(observe(&mut shadow, &mut t)))
-        });
-    }
-    // Caches larger than the CPU's: 4,096 shared prefixes of 58 blocks, 262,144 blocks per
-    // worker, every worker holding most of them once filled (a replica's KV capacity is of
-    // this order, and each block probe then misses the caches).
-    let large = |t: u64| -> Vec<BlockHash> {
-        (0..64u64)
-            .map(|b| {
-                BlockHash(if b < 58 {
-                    ((t * 2_654_435_761) % 4096) * 1000 + b
-                } else {
-                    1 << 40 | (t * 64 + b)
-                })
-            })
-            .collect()
-    };
-    let mut shadow = Shadow::new("round-robin", 1 << 18).unwrap_or_else(|e| panic!("{e}"));
     let mut t = 0u64;
-    let observe = |shadow: &mut Shadow, t: &mut u64| {
-        *t += 1;
-        let hs = large(*t);
+    let mut observe = || {
+        t += 1;
+        let hs = blocks(t);
         let req = RequestCtx {
             hashes: &hs,
             prompt_tokens: 1024,
             block_size: 16,
             session: None,
-            ticket: *t,
+            ticket: t,
         };
-        shadow.observe(&req, &cands, Duration::from_millis(*t))
+        shadow.observe(&req, &cands, Duration::from_millis(t))
     };
-    for _ in 0..40_000 {
-        observe(&mut shadow, &mut t);
+    for _ in 0..warm {
+        observe();
     }
-    group.bench_function(BenchmarkId::new("observe-large", "round-robin"), |b| {
-        b.iter(|| black_box(observe(&mut shadow, &mut t)))
+    group.bench_function(id, |b| b.iter(|| black_box(observe())));
+}
+
+fn bench_shadow(c: &mut Criterion) {
+    let mut group = c.benchmark_group("shadow");
+    for name in ["round-robin", "approximate"] {
+        // Caches of 2,048 blocks per worker, filled by the same stream first.
+        let shadow = Shadow::new(name, 2048).unwrap_or_else(|e| panic!("{e}"));
+        bench_observe(
+            &mut group,
+            BenchmarkId::new("observe", name),
+            shadow,
+            10_000,
+            |t| request_blocks(t, t % 8, 1_000_000),
+        );
+    }
+    // Caches larger than the CPU's: 4,096 shared prefixes of 58 blocks, 262,144 blocks per
+    // worker, every worker holding most of them once filled (a replica's KV capacity is of
+    // this order, and each block probe then misses the caches).
+    let shadow = Shadow::new("round-robin", 1 << 18).unwrap_or_else(|e| panic!("{e}"));
+    let id = BenchmarkId::new("observe-large", "round-robin");
+    bench_observe(&mut group, id, shadow, 40_000, |t| {
+        request_blocks(t, (t * 2_654_435_761) % 4096, 1 << 40)
     });
     group.finish();
 }

@@ -18,6 +18,7 @@
 //! did not ask to close.
 
 use std::cell::{Cell, RefCell};
+use std::future::Future;
 use std::net::SocketAddr;
 use std::rc::Rc;
 
@@ -75,25 +76,41 @@ fn main() -> std::io::Result<()> {
     Ok(())
 }
 
-/// One thread: its own runtime, its own upstream pools, the shared listener.
-fn serve(l: std::net::TcpListener, ups: Vec<SocketAddr>, start: usize) -> std::io::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_io()
-        .build()?;
+/// One thread's accept loop on the shared listener, on a runtime of its own: each connection
+/// goes to `serve` (a task on this thread). Tokio's timer only with `timers` (hyper's client
+/// needs it; the lean mode does not).
+fn accept_loop<F, Fut>(l: std::net::TcpListener, timers: bool, serve: F) -> std::io::Result<()>
+where
+    F: Fn(TcpStream) -> Fut + 'static,
+    Fut: Future<Output = ()> + 'static,
+{
+    let mut rt = tokio::runtime::Builder::new_current_thread();
+    rt.enable_io();
+    if timers {
+        rt.enable_time();
+    }
+    let rt = rt.build()?;
     let local = tokio::task::LocalSet::new();
     local.block_on(&rt, async move {
         let l = TcpListener::from_std(l)?;
-        let pools: Rc<Vec<RefCell<Vec<TcpStream>>>> =
-            Rc::new(ups.iter().map(|_| RefCell::new(Vec::new())).collect());
-        let next = Rc::new(Cell::new(start));
-        let ups = Rc::new(ups);
         loop {
             let (c, _) = l.accept().await?;
             c.set_nodelay(true)?;
-            let (pools, next, ups) = (pools.clone(), next.clone(), ups.clone());
-            tokio::task::spawn_local(async move {
-                let _ = connection(c, &ups, &pools, &next).await;
-            });
+            tokio::task::spawn_local(serve(c));
+        }
+    })
+}
+
+/// One thread: its own upstream pools, the shared listener.
+fn serve(l: std::net::TcpListener, ups: Vec<SocketAddr>, start: usize) -> std::io::Result<()> {
+    let pools: Rc<Vec<RefCell<Vec<TcpStream>>>> =
+        Rc::new(ups.iter().map(|_| RefCell::new(Vec::new())).collect());
+    let next = Rc::new(Cell::new(start));
+    let ups = Rc::new(ups);
+    accept_loop(l, false, move |c| {
+        let (pools, next, ups) = (pools.clone(), next.clone(), ups.clone());
+        async move {
+            let _ = connection(c, &ups, &pools, &next).await;
         }
     })
 }
@@ -108,40 +125,30 @@ fn serve_hyper(
     use hyper_util::client::legacy::Client;
     use hyper_util::rt::{TokioExecutor, TokioIo};
 
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let local = tokio::task::LocalSet::new();
-    local.block_on(&rt, async move {
-        let l = TcpListener::from_std(l)?;
-        // No Nagle on the upstream side, as the router's own client and the lean mode.
-        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
-        connector.set_nodelay(true);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
-        let next = Rc::new(Cell::new(start));
-        let ups: Rc<Vec<String>> = Rc::new(ups.iter().map(|a| format!("http://{a}")).collect());
-        loop {
-            let (c, _) = l.accept().await?;
-            c.set_nodelay(true)?;
-            let (client, next, ups) = (client.clone(), next.clone(), ups.clone());
-            let svc = hyper::service::service_fn(
-                move |mut req: hyper::Request<hyper::body::Incoming>| {
-                    let i = next.get() % ups.len();
-                    next.set(i + 1);
-                    let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
-                    let uri = format!("{}{pq}", ups[i]).parse::<hyper::Uri>();
-                    let client = client.clone();
-                    async move {
-                        *req.uri_mut() = uri.map_err(std::io::Error::other)?;
-                        client.request(req).await.map_err(std::io::Error::other)
-                    }
-                },
-            );
-            tokio::task::spawn_local(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(c), svc)
-                    .await;
+    // No Nagle on the upstream side, as the router's own client and the lean mode.
+    let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+    connector.set_nodelay(true);
+    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let next = Rc::new(Cell::new(start));
+    let ups: Rc<Vec<String>> = Rc::new(ups.iter().map(|a| format!("http://{a}")).collect());
+    accept_loop(l, true, move |c| {
+        let (client, next, ups) = (client.clone(), next.clone(), ups.clone());
+        let svc =
+            hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+                let i = next.get() % ups.len();
+                next.set(i + 1);
+                let pq = req.uri().path_and_query().map_or("/", |p| p.as_str());
+                let uri = format!("{}{pq}", ups[i]).parse::<hyper::Uri>();
+                let client = client.clone();
+                async move {
+                    *req.uri_mut() = uri.map_err(std::io::Error::other)?;
+                    client.request(req).await.map_err(std::io::Error::other)
+                }
             });
+        async move {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(c), svc)
+                .await;
         }
     })
 }
