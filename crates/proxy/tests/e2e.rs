@@ -913,6 +913,14 @@ async fn errors_are_openai_json() {
         ),
         3.0
     );
+    assert_eq!(
+        metric(
+            &text,
+            "kinference_router_errors_total{kind=\"unknown_model\"}"
+        ),
+        2.0,
+        "the 404 above was the replica's, not the router's"
+    );
     let (status, ready) = get(proxy.admin_addr(), "/readyz").await;
     assert_eq!(status, 503, "the gone pool has no healthy replica: {ready}");
     assert_eq!(get(proxy.admin_addr(), "/healthz").await.0, 200);
