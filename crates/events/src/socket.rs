@@ -15,6 +15,11 @@
 //!   sockets (`ZMQ_MAX_SOCKETS`, which the `zmq` crate cannot raise), so a new context (one
 //!   more libzmq I/O thread) is opened whenever the open ones are full: a router subscribed
 //!   to a thousand replicas needs about three thousand sockets (SUB and its monitor pair).
+//! - A monitored socket is dropped before its [`Monitor`], and stops its monitor when dropped.
+//!   libzmq sends each monitor event from the context's I/O thread with a *blocking* send on
+//!   its own PAIR socket; once our end of the pair is closed that send never returns, and every
+//!   socket of the context (publishers and replay sockets of other replicas too) stops. A
+//!   peer that disconnected while a dropped socket awaited libzmq's reaper did exactly that.
 //! - Listeners get libzmq's `SO_REUSEADDR`, so a restarted process rebinds its ports at once
 //!   even with earlier connections in `TIME_WAIT`.
 
@@ -125,6 +130,9 @@ pub struct ZmqSocket {
 
 impl Drop for ZmqSocket {
     fn drop(&mut self) {
+        if self.weight > 1 {
+            self.stop_monitor();
+        }
         self.slot.live.fetch_sub(self.weight, Ordering::Relaxed);
     }
 }
@@ -312,8 +320,27 @@ impl ZmqSocket {
         self.weight += 1;
         // inproc reaches only sockets of the same context.
         let pair = ZmqSocket::new_in(self.slot.clone(), SocketType::PAIR)?;
+        // No limit on the events queued for us (an inproc pipe has none if either end sets
+        // 0): libzmq's send of an event blocks its I/O thread at the limit, and replacing the
+        // monitor ([`ZmqSocket::stop_monitor`]) would then wait for that thread.
+        pair.socket
+            .set_rcvhwm(0)
+            .map_err(|e| SocketError::new("hwm", &addr, e))?;
         pair.connect(&addr)?;
         Ok(Monitor { pair })
+    }
+
+    /// Stops reporting connection events, so that no event waits on a closed [`Monitor`].
+    /// The binding cannot pass libzmq the null endpoint that stops a monitor, so the monitor
+    /// is replaced by one that reports nothing: libzmq closes the old one first and sends no
+    /// event while the event mask is empty, whether or not the new one could be opened.
+    fn stop_monitor(&mut self) {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let addr = format!("inproc://kinference-monitor-off-{}-{n}", std::process::id());
+        if let Err(e) = self.socket.monitor(&addr, 0) {
+            tracing::debug!(error = %e, "replacing a socket monitor");
+        }
     }
 }
 
@@ -480,6 +507,62 @@ mod tests {
             held.push((s, m));
         }
         assert_eq!(held.len(), 1100);
+    }
+
+    /// Sends on `publisher` until `sub` receives, within five seconds.
+    async fn exchange(publisher: &mut ZmqSocket, sub: &mut ZmqSocket) -> bool {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while tokio::time::Instant::now() < deadline {
+            publisher.send(&[&b"t"[..], b"x"]).await.unwrap();
+            let got = tokio::time::timeout(Duration::from_millis(20), sub.recv());
+            if got.await.is_ok() {
+                return true;
+            }
+        }
+        false
+    }
+
+    /// A monitored socket whose peers come and go after its monitor stopped and its
+    /// `Monitor` closed leaves the context's I/O thread serving every other socket. Without
+    /// the stop, libzmq's event for the first lost peer blocks that thread for good.
+    #[tokio::test]
+    async fn a_stopped_monitor_blocks_no_socket() {
+        // A context of its own: a regression stalls this test only.
+        let slot = Slot {
+            ctx: zmq::Context::new(),
+            live: Arc::new(AtomicUsize::new(0)),
+        };
+        let socket = |kind| ZmqSocket::new_in(slot.clone(), kind).unwrap();
+        let mut sub = socket(SocketType::SUB);
+        sub.socket.set_subscribe(b"").unwrap();
+        let mut monitor = sub.monitor().unwrap();
+        let endpoint = sub.bind("tcp://127.0.0.1:0").await.unwrap();
+        let mut publisher = socket(SocketType::PUB);
+        publisher.connect(&endpoint).unwrap();
+        assert!(exchange(&mut publisher, &mut sub).await);
+        assert_eq!(monitor.next().await.unwrap(), PeerEvent::Up);
+        sub.stop_monitor();
+        drop(monitor);
+        // Peers arrive and leave: each would be an event for the closed monitor.
+        drop(publisher);
+        let mut sub_receives = true;
+        for _ in 0..3 {
+            let mut publisher = socket(SocketType::PUB);
+            publisher.connect(&endpoint).unwrap();
+            sub_receives &= exchange(&mut publisher, &mut sub).await;
+        }
+        let mut a = socket(SocketType::PUB);
+        let other = a.bind("tcp://127.0.0.1:0").await.unwrap();
+        let mut b = socket(SocketType::SUB);
+        b.socket.set_subscribe(b"").unwrap();
+        b.connect(&other).unwrap();
+        let others_talk = exchange(&mut a, &mut b).await;
+        if !(sub_receives && others_talk) {
+            // Dropping it would stop its monitor, which waits for the stalled I/O thread.
+            std::mem::forget(sub);
+        }
+        assert!(sub_receives, "the SUB still receives");
+        assert!(others_talk, "another pair of the context still talks");
     }
 
     #[tokio::test(start_paused = true)]

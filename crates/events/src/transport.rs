@@ -31,6 +31,8 @@ pub(crate) enum ReaderEvent {
 
 /// An open SUB socket with its connection monitor.
 pub(crate) struct SubStream {
+    /// Declared before `monitor`, so dropped first: it stops the monitor while the monitor's
+    /// peer is still open ([`crate::socket`]'s invariants).
     pub socket: ZmqSocket,
     pub monitor: Monitor,
     /// The endpoint actually bound (bind mode).
