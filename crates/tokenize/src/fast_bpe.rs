@@ -490,14 +490,19 @@ const CACHE_WORDS: usize = 10_000;
 type WordCache = ahash::AHashMap<Box<[u8]>, Box<[u32]>>;
 
 thread_local! {
-    /// Merge results by word, per thread and tokenizer (`Bpe::cache_id`), as `tokenizers` keeps
-    /// its BPE cache: a word's ids never depend on anything but its bytes, so a hit is exact.
-    static WORD_CACHES: std::cell::RefCell<HashMap<u64, WordCache>> =
+    /// Per thread and tokenizer (`Bpe::cache_id`): the merge results by word, as `tokenizers`
+    /// keeps its BPE cache (a word's ids never depend on anything but its bytes, so a hit is
+    /// exact), and the buffers of the last text, so that a text allocates nothing but its ids.
+    static SCRATCHES: std::cell::RefCell<HashMap<u64, Scratch>> =
         std::cell::RefCell::new(HashMap::new());
 }
 
-/// Buffers reused across the pieces of one text, and this thread's word cache for the
-/// tokenizer (taken out of `WORD_CACHES` for the text, put back after).
+/// Elements a scratch buffer keeps between texts; one grown past it by a long text is freed.
+const SCRATCH_KEEP: usize = 1 << 16;
+
+/// Buffers reused across the pieces of a text and across texts (each is cleared before use),
+/// and this thread's word cache for the tokenizer (taken out of `SCRATCHES` for the text, put
+/// back after).
 #[derive(Default)]
 struct Scratch {
     cache: WordCache,
@@ -508,6 +513,23 @@ struct Scratch {
     spans2: Vec<(usize, usize)>,
     syms: Vec<u32>,
     ranks: Vec<(u32, u32)>,
+}
+
+impl Scratch {
+    /// Frees the buffers a long text grew, keeping the word cache.
+    fn trim(&mut self) {
+        fn keep<T>(v: &mut Vec<T>) {
+            if v.capacity() > SCRATCH_KEEP {
+                *v = Vec::new();
+            }
+        }
+        keep(&mut self.offs);
+        keep(&mut self.flags);
+        keep(&mut self.spans);
+        keep(&mut self.spans2);
+        keep(&mut self.syms);
+        keep(&mut self.ranks);
+    }
 }
 
 /// End of the run of chars with any of `mask`'s bits, from `i`.
@@ -868,15 +890,12 @@ impl FastBpe {
     }
 
     fn run(&self, text: &str, sink: Option<&mut SplitSink<'_>>) -> Option<Vec<u32>> {
-        let mut sc = Scratch {
-            cache: WORD_CACHES
-                .with(|c| c.borrow_mut().remove(&self.bpe.cache_id))
-                .unwrap_or_default(),
-            ..Scratch::default()
-        };
+        let mut sc = SCRATCHES
+            .with(|c| c.borrow_mut().remove(&self.bpe.cache_id))
+            .unwrap_or_default();
         let out = self.run_with(text, &mut sc, sink);
-        let cache = std::mem::take(&mut sc.cache);
-        WORD_CACHES.with(|c| c.borrow_mut().insert(self.bpe.cache_id, cache));
+        sc.trim();
+        SCRATCHES.with(|c| c.borrow_mut().insert(self.bpe.cache_id, sc));
         out
     }
 
@@ -1451,6 +1470,38 @@ pub(crate) mod tests {
     fn fast_bpe_equals_reference_100k() {
         for (name, n) in prove(100_000, usize::MAX) {
             println!("{name}: {n} inputs, fast == reference");
+        }
+    }
+
+    /// The buffers carried from text to text: a text longer than what is kept, then short
+    /// ones, encode as the reference does, and the long text's buffers are not kept.
+    #[test]
+    fn scratch_carries_over_and_drops_long_buffers() {
+        let path = kinference_testkit::shared("data/tokenizers/llama3.1/tokenizer.json");
+        let enc = Encoder::from_file(&path).unwrap();
+        let id = enc.fast_bpe().unwrap().bpe.cache_id;
+        let kept = |f: &dyn Fn(&Scratch) -> usize| {
+            SCRATCHES.with(|c| c.borrow().get(&id).map(f).unwrap_or_default())
+        };
+        // A word outside the vocabulary is merged, and cached.
+        check("llama3.1", &enc, "Hello world, Qzxvbnmplk 123 worlds.");
+        assert!(kept(&|sc| sc.offs.capacity()) > 0, "buffers kept");
+        let cached = kept(&|sc| sc.cache.len());
+        assert!(cached > 0);
+        let long = "ab, 12 ".repeat(SCRATCH_KEEP / 4);
+        assert_eq!(
+            enc.encode(&long, false).unwrap(),
+            enc.encode_reference(&long, false).unwrap()
+        );
+        assert!(kept(&|sc| sc.offs.capacity().max(sc.flags.capacity())) <= SCRATCH_KEEP);
+        assert!(kept(&|sc| sc.cache.len()) >= cached, "the word cache stays");
+        for text in [
+            "Hello world, hello 123 worlds.",
+            " x",
+            "",
+            "naïve café 東京 🙂",
+        ] {
+            check("llama3.1", &enc, text);
         }
     }
 
