@@ -77,6 +77,36 @@ enum FetchEnd {
     Overflow,
 }
 
+/// What the messages read since the health last changed add to it. Each message would
+/// otherwise be a publication of its own (a lock and a wake of every watcher's channel slot):
+/// they are published together once the reader has nothing more queued (before the last one
+/// goes to the writer), and before any other change the subscriber makes to the health. So
+/// the subscriber's own changes never show without the messages before them, and the writer's
+/// (`applied_seq`) lead the message count by at most the rest of a burst.
+#[derive(Debug, Default)]
+struct Seen {
+    messages: u64,
+    decode_errors: u64,
+    last_seq: Option<u64>,
+}
+
+impl Seen {
+    fn apply_to(&mut self, h: &mut WorkerHealth) {
+        if self.messages == 0 {
+            return;
+        }
+        // A message proves a connection (on a shared bound endpoint, connection events
+        // cannot be told apart per publisher, so this is the only sign of one).
+        h.connected = true;
+        h.messages += self.messages;
+        h.decode_errors += self.decode_errors;
+        // Read together just now (one burst), so one clock reading serves them all.
+        h.last_event_at = Some(Instant::now());
+        h.last_seq = self.last_seq.or(h.last_seq);
+        *self = Seen::default();
+    }
+}
+
 /// Everything a subscriber needs, fixed at spawn time.
 #[derive(Debug)]
 pub(crate) struct SubscriberSpec {
@@ -112,6 +142,7 @@ pub(crate) struct Subscriber {
     /// The next in-order message follows a reconnection: prove through the replay overlap
     /// that the publisher is the same instance before trusting it.
     verify_next: bool,
+    seen: Seen,
 }
 
 /// Runs one worker's subscription until cancelled. `routed` carries the worker's messages
@@ -155,13 +186,14 @@ pub(crate) async fn run(spec: SubscriberSpec, routed: Option<mpsc::Receiver<Read
         peers: 0,
         lost_peer: false,
         verify_next: false,
+        seen: Seen::default(),
     };
     let _ = sub.main_loop().await;
     reader_cancel.cancel();
     if let Some(reader) = reader {
         let _ = reader.await;
     }
-    sub.spec.health.send_modify(|h| h.connected = false);
+    sub.health(|h| h.connected = false);
     tracing::debug!(worker = ?sub.spec.worker, "subscriber stopped");
 }
 
@@ -204,6 +236,9 @@ impl Subscriber {
 
     async fn next_live(&mut self) -> Flow<Incoming> {
         loop {
+            if self.rx.is_empty() {
+                self.flush_seen();
+            }
             let event = tokio::select! {
                 biased;
                 _ = &mut self.stop => return Err(Stop),
@@ -224,49 +259,43 @@ impl Subscriber {
                 if std::mem::take(&mut self.lost_peer) {
                     self.verify_next = true;
                 }
-                self.spec.health.send_modify(|h| h.connected = true);
+                self.health(|h| h.connected = true);
                 None
             }
             ReaderEvent::PeerDown => {
                 self.peers = self.peers.saturating_sub(1);
                 self.lost_peer = true;
                 let connected = self.peers > 0;
-                self.spec.health.send_modify(|h| h.connected = connected);
+                self.health(|h| h.connected = connected);
                 None
             }
             ReaderEvent::DialFailed => {
                 // Counted, not logged: libzmq redials on its own, with the plane's backoff.
-                self.spec.health.send_modify(|h| h.socket_errors += 1);
+                self.health(|h| h.socket_errors += 1);
                 None
             }
             ReaderEvent::Error(e) => {
                 tracing::warn!(worker = ?self.spec.worker, error = %e, "event socket error");
-                self.spec.health.send_modify(|h| h.socket_errors += 1);
+                self.health(|h| h.socket_errors += 1);
                 None
             }
         }
     }
 
     fn on_frames(&mut self, frames: &[Bytes]) -> Option<Incoming> {
-        let now = Instant::now();
         let parsed = wire::parse_live(frames, &self.spec.topic);
         let seq = match &parsed {
             Ok(m) => Some(m.seq),
             Err(e) => e.seq,
         };
-        self.spec.health.send_modify(|h| {
-            // A message proves a connection (on a shared bound endpoint, connection events
-            // cannot be told apart per publisher, so this is the only sign of one).
-            h.connected = true;
-            h.messages += 1;
-            h.last_event_at = Some(now);
-            if seq.is_some() {
-                h.last_seq = seq;
-            }
-            if parsed.is_err() {
-                h.decode_errors += 1;
-            }
-        });
+        let seen = &mut self.seen;
+        seen.messages += 1;
+        if seq.is_some() {
+            seen.last_seq = seq;
+        }
+        if parsed.is_err() {
+            seen.decode_errors += 1;
+        }
         match parsed {
             Ok(SeqMsg { seq, payload }) => Some(Incoming {
                 seq,
@@ -292,7 +321,7 @@ impl Subscriber {
             Live::Duplicate => Ok(()),
             Live::Gap { .. } => self.resolve(msg, Resolve::Gap).await,
             Live::Behind if self.same_instance().await? => {
-                self.spec.health.send_modify(|h| h.repeats += 1);
+                self.health(|h| h.repeats += 1);
                 Ok(())
             }
             Live::Behind | Live::Reset => {
@@ -314,7 +343,7 @@ impl Subscriber {
         else {
             return Ok(false);
         };
-        self.spec.health.send_modify(|h| h.replays_attempted += 1);
+        self.health(|h| h.replays_attempted += 1);
         let (items, _) = self.fetch(&endpoint, seq).await?;
         Ok(items
             .iter()
@@ -336,7 +365,7 @@ impl Subscriber {
             Err(e) => {
                 tracing::warn!(worker = ?self.spec.worker, seq = msg.seq, error = %e,
                     label = e.metric_label(), "skipping undecodable event batch");
-                self.spec.health.send_modify(|h| h.decode_errors += 1);
+                self.health(|h| h.decode_errors += 1);
                 return Ok(());
             }
         };
@@ -369,6 +398,10 @@ impl Subscriber {
     }
 
     async fn send(&mut self, update: Update, replayed: bool) -> Flow {
+        // The last message of a burst is counted before it can show as applied.
+        if self.rx.is_empty() {
+            self.flush_seen();
+        }
         let mut env = Envelope::new(self.spec.worker, Some(update));
         env.health = Some(self.spec.health.clone());
         env.replayed = replayed;
@@ -384,7 +417,7 @@ impl Subscriber {
 
     fn mark_stale(&mut self) {
         let mut epoch = 0;
-        self.spec.health.send_modify(|h| epoch = h.mark_stale());
+        self.health(|h| epoch = h.mark_stale());
         self.epoch = epoch;
     }
 
@@ -392,7 +425,7 @@ impl Subscriber {
     async fn reset(&mut self, seq: u64) -> Flow {
         tracing::warn!(worker = ?self.spec.worker, seq, next = ?self.seq.next(),
             "event stream restarted; clearing worker");
-        self.spec.health.send_modify(|h| h.resets += 1);
+        self.health(|h| h.resets += 1);
         self.mark_stale();
         self.seq.reset();
         self.target = SyncState::Connecting;
@@ -403,7 +436,7 @@ impl Subscriber {
     async fn unrecoverable(&mut self, resume_at: u64) -> Flow {
         tracing::warn!(worker = ?self.spec.worker, missing_from = ?self.seq.next(), resume_at,
             "event gap cannot be replayed; clearing worker");
-        self.spec.health.send_modify(|h| h.unrecoverable_gaps += 1);
+        self.health(|h| h.unrecoverable_gaps += 1);
         self.mark_stale();
         self.seq.resync_at(resume_at);
         self.target = SyncState::Resynced;
@@ -416,13 +449,13 @@ impl Subscriber {
         tracing::info!(worker = ?self.spec.worker, seq = trigger.seq, next = ?self.seq.next(),
             ?why, "replaying");
         if why == Resolve::Gap {
-            self.spec.health.send_modify(|h| h.gaps += 1);
+            self.health(|h| h.gaps += 1);
         }
         self.mark_stale();
         self.resolving = true;
         let filled = self.fill(trigger.seq).await?;
         if filled {
-            self.spec.health.send_modify(|h| h.replays_succeeded += 1);
+            self.health(|h| h.replays_succeeded += 1);
         }
         if !self.reached(trigger.seq) {
             self.unrecoverable(trigger.seq).await?;
@@ -465,7 +498,7 @@ impl Subscriber {
         let mut attempt = 0;
         while attempt < self.spec.plane.replay_attempts {
             let from = self.seq.replay_start();
-            self.spec.health.send_modify(|h| h.replays_attempted += 1);
+            self.health(|h| h.replays_attempted += 1);
             let (items, end) = self.fetch(&endpoint, from).await?;
             let replayed = self.apply_replayed(items).await?;
             if replayed == Replay::Restarted {
@@ -517,7 +550,7 @@ impl Subscriber {
                 Err(e) => {
                     tracing::warn!(worker = ?self.spec.worker, reason = %e.reason,
                         "skipping unreadable replay message");
-                    self.spec.health.send_modify(|h| h.decode_errors += 1);
+                    self.health(|h| h.decode_errors += 1);
                     continue;
                 }
             };
@@ -601,7 +634,26 @@ impl Subscriber {
         if let Some(msg) = self.on_reader_event(event) {
             self.pending.push_back(msg);
         }
+        if self.rx.is_empty() {
+            self.flush_seen();
+        }
         self.pending.len() >= self.spec.plane.replay_buffer_max
+    }
+
+    /// Changes the worker's health, after the messages read so far ([`Seen`]).
+    fn health(&mut self, f: impl FnOnce(&mut WorkerHealth)) {
+        let seen = &mut self.seen;
+        self.spec.health.send_modify(|h| {
+            seen.apply_to(h);
+            f(h);
+        });
+    }
+
+    /// Publishes the messages read so far, if any.
+    fn flush_seen(&mut self) {
+        if self.seen.messages > 0 {
+            self.health(|_| {});
+        }
     }
 }
 

@@ -431,10 +431,12 @@ async fn restarted_publisher_process_on_the_same_ports_is_resynced() {
         worker,
     } = rig;
     publisher.close().await;
-    plane
+    let h = plane
         .wait_for(worker, WAIT, |h| !h.connected)
         .await
         .expect("the disconnect is visible in health");
+    // Messages are counted in bursts, but always before a later change such as this one.
+    assert_eq!((h.messages, h.last_seq), (5, Some(4)), "{h:?}");
     let mut publisher = FakePublisher::bind_at(&events, &replay, TOPIC, 100)
         .await
         .unwrap();
