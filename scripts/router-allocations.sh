@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# router-allocations.sh - the heap allocations `kinference serve` makes per request under load,
+# counted by uprobes on the binary's allocator (mimalloc's aligned entry points, which Rust's
+# global allocator calls), in the setup of scripts/router-syscalls.sh: 4 simulated replicas
+# with KV events on, the router with --policy precise in front, wrk at 32 connections with the
+# developers' workload. A warm-up of WARMUP, then DURATION counted. Prints allocations,
+# reallocations and frees per request for the data-plane threads (kinf-data-*) and the rest
+# (KV events, scrapes). A uprobe traps on every call, so the run serves far fewer requests per
+# second than an unprobed one; the counts per request are what it is for.
+#
+# Needs perf with uprobe access (root), wrk and curl; the probes are removed on exit.
+#
+# usage: scripts/router-allocations.sh BINARY
+# env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s RESULTS=target/router-allocations
+set -euo pipefail
+case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
+
+HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+REPO=$(cd "$HERE/.." && pwd)
+# shellcheck source=lib/proc.sh
+source "$HERE/lib/proc.sh"
+# shellcheck source=lib/net.sh
+source "$HERE/lib/net.sh"
+
+BIN=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+WARMUP=${WARMUP:-3s}
+DURATION=${DURATION:-4s}
+OUT=${RESULTS:-$REPO/target/router-allocations}/$(date -u +%Y%m%d-%H%M%S)
+mkdir -p "$OUT"
+for tool in perf wrk curl; do
+  command -v "$tool" >/dev/null || { echo "router-allocations.sh: needs $tool" >&2; exit 1; }
+done
+
+SIM_PID="" ROUTER_PID="" PROBES=()
+cleanup() {
+  stop "$ROUTER_PID"
+  stop "$SIM_PID"
+  for p in "${PROBES[@]}"; do perf probe -q -d "$p" 2>/dev/null || true; done
+}
+trap cleanup EXIT
+
+# One probe per entry point, named after this run so that concurrent runs do not collide.
+declare -A KIND=([mi_malloc_aligned]=alloc [mi_zalloc_aligned]=alloc [mi_realloc_aligned]=realloc [mi_free]=free)
+for fn in "${!KIND[@]}"; do
+  name=kinf_${fn}_$$
+  perf probe -q -x "$BIN" -a "$name=$fn"
+  event=$(perf probe -l 2>/dev/null | awk -v n=":$name" '{ i = index($1, n) } i && i + length(n) == length($1) + 1 {print $1; exit}')
+  [ -n "$event" ] || { echo "router-allocations.sh: no uprobe $name on $fn in $BIN" >&2; exit 1; }
+  PROBES+=("$event")
+  KIND[$event]=${KIND[$fn]}
+done
+
+"$BIN" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$TOKENIZER" \
+  --block-size 16 --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
+  >"$OUT/sim.out" 2>"$OUT/sim.err" &
+SIM_PID=$!
+for _ in $(seq 1 600); do
+  [ "$(grep -c '^replica=' "$OUT/sim.out" 2>/dev/null)" = 4 ] && break
+  kill -0 "$SIM_PID" 2>/dev/null || { tail -20 "$OUT/sim.err" >&2; exit 1; }
+  sleep 0.1
+done
+REPLICAS=()
+while read -r line; do
+  url=$(field "$line" url)
+  ev=$(dial "$(field "$line" events)")
+  rp=$(field "$line" replay)
+  REPLICAS+=(--replica "$url,events=$ev,replay=$rp")
+done < <(grep '^replica=' "$OUT/sim.out")
+
+NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" \
+  --block-size 16 --policy precise "${REPLICAS[@]}" >"$OUT/router.out" 2>"$OUT/router.err" &
+ROUTER_PID=$!
+read -r data _ < <(router_addrs "$OUT/router.err" "$ROUTER_PID" 60)
+URL=http://127.0.0.1:${data##*:}
+for _ in $(seq 1 100); do
+  curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
+    -d '{"model":"bench","prompt":"hello there","max_tokens":2}' >/dev/null && break
+  sleep 0.2
+done
+
+LUA=$HERE/router-latency.lua
+wrk -t2 -c32 -d"$WARMUP" -s "$LUA" "$URL" -- completions bench 8 "alw$$" 4000 >/dev/null
+EVENTS=$(IFS=,; echo "${PROBES[*]}")
+perf stat -x, --per-thread -e "$EVENTS" -p "$ROUTER_PID" -o "$OUT/perf.csv" &
+PERF_PID=$!
+sleep 0.3
+wrk -t2 -c32 -d"$DURATION" -s "$LUA" "$URL" -- completions bench 8 "alm$$" 4000 >"$OUT/wrk.txt"
+kill -INT "$PERF_PID"
+wait "$PERF_PID" || true
+REQUESTS=$(awk '/requests in/ {print $1}' "$OUT/wrk.txt")
+echo "binary: $BIN"
+echo "requests: $REQUESTS (wrk, 32 connections, $DURATION, under uprobes)"
+for event in "${PROBES[@]}"; do echo "$event ${KIND[$event]}"; done >"$OUT/kinds.txt"
+# perf's per-thread rows: THREAD-TID,COUNT,,EVENT,...
+awk -F, -v n="$REQUESTS" '
+  NR == FNR { kind[$1] = $2; next }
+  $2 + 0 > 0 && ($4 in kind) {
+    thread = ($1 ~ /^kinf-data-/) ? "data-plane threads" : "other threads"
+    count[thread SUBSEP kind[$4]] += $2
+  }
+  END {
+    for (t = 1; t <= 2; t++) {
+      thread = (t == 1) ? "data-plane threads" : "other threads"
+      printf "%-20s allocations %6.1f  reallocations %5.1f  frees %6.1f  per request\n", thread,
+        count[thread, "alloc"] / n, count[thread, "realloc"] / n, count[thread, "free"] / n
+    }
+  }' FS=' ' "$OUT/kinds.txt" FS=, "$OUT/perf.csv" | tee "$OUT/allocations.txt"
