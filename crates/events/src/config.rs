@@ -327,12 +327,12 @@ pub struct EventPlaneConfig {
     pub backoff: BackoffConfig,
     /// While a SUB socket's messages arrive faster than this, its reader wakes at most once
     /// per this interval and reads them all (see [`crate::socket::Pace`]); zero: on every
-    /// message. The default, 3 ms, delays an event by less than a tenth of an engine step
-    /// (the router's own placements are in its speculative entries meanwhile); each wake-up of
-    /// the event thread costs the router more than the messages it reads (BENCHMARKS.md,
-    /// "the event thread's wake-ups"): 1 ms cost about 3 µs more CPU per request than 3 or
-    /// 5 ms on the latency benchmark, and 10 ms cost more again, its larger reads backing up
-    /// the publishers' sockets.
+    /// message. The default, 3 ms, delays an event by well under an engine step (tens of
+    /// milliseconds on a GPU; the router's own placements are in its speculative entries
+    /// meanwhile); each wake-up of the event thread costs the router more than the messages
+    /// it reads (BENCHMARKS.md, "the event thread's wake-ups"): 1 ms cost about 3 µs more CPU
+    /// per request than 3 or 5 ms on the latency benchmark, and 10 ms cost more again (cause
+    /// not established).
     pub read_pacing: Duration,
 }
 
