@@ -21,6 +21,8 @@ REPO=$(cd "$HERE/.." && pwd)
 source "$HERE/lib/proc.sh"
 # shellcheck source=lib/net.sh
 source "$HERE/lib/net.sh"
+# shellcheck source=lib/bench.sh
+source "$HERE/lib/bench.sh"
 
 BIN=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
 TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
@@ -51,33 +53,7 @@ for fn in "${!KIND[@]}"; do
   KIND[$event]=${KIND[$fn]}
 done
 
-"$BIN" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$TOKENIZER" \
-  --block-size 16 --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
-  >"$OUT/sim.out" 2>"$OUT/sim.err" &
-SIM_PID=$!
-for _ in $(seq 1 600); do
-  [ "$(grep -c '^replica=' "$OUT/sim.out" 2>/dev/null)" = 4 ] && break
-  kill -0 "$SIM_PID" 2>/dev/null || { tail -20 "$OUT/sim.err" >&2; exit 1; }
-  sleep 0.1
-done
-REPLICAS=()
-while read -r line; do
-  url=$(field "$line" url)
-  ev=$(dial "$(field "$line" events)")
-  rp=$(field "$line" replay)
-  REPLICAS+=(--replica "$url,events=$ev,replay=$rp")
-done < <(grep '^replica=' "$OUT/sim.out")
-
-NO_COLOR=1 "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" \
-  --block-size 16 --policy precise "${REPLICAS[@]}" >"$OUT/router.out" 2>"$OUT/router.err" &
-ROUTER_PID=$!
-read -r data _ < <(router_addrs "$OUT/router.err" "$ROUTER_PID" 60)
-URL=http://127.0.0.1:${data##*:}
-for _ in $(seq 1 100); do
-  curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
-    -d '{"model":"bench","prompt":"hello there","max_tokens":2}' >/dev/null && break
-  sleep 0.2
-done
+start_bench_fleet "$BIN" "$TOKENIZER" "$OUT"
 
 LUA=$HERE/router-latency.lua
 wrk -t2 -c32 -d"$WARMUP" -s "$LUA" "$URL" -- completions bench 8 "alw$$" 4000 >/dev/null

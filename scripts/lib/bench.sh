@@ -1,0 +1,30 @@
+# bench.sh - the fleet scripts/router-syscalls.sh and scripts/router-allocations.sh count the
+# router's per-request work against: 4 simulated replicas with KV events on (one `kinference
+# sim` process, --speedup 100000) and `kinference serve --policy precise` in front, both on
+# port 0. Needs lib/proc.sh and lib/net.sh sourced first.
+
+# start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
+# the router answers a completion. Sets SIM_PID and ROUTER_PID, each as soon as its process
+# is started (for the caller's cleanup trap), and URL, the router's data address.
+start_bench_fleet() {
+  local bin=$1 tokenizer=$2 out=$3 line data replicas=()
+  "$bin" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$tokenizer" \
+    --block-size 16 --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
+    >"$out/sim.out" 2>"$out/sim.err" &
+  SIM_PID=$!
+  wait_sim_replicas "$out/sim.out" "$SIM_PID" 4 || { tail -20 "$out/sim.err" >&2; return 1; }
+  while read -r line; do
+    replicas+=(--replica "$(field "$line" url),events=$(dial "$(field "$line" events)"),replay=$(field "$line" replay)")
+  done < <(grep '^replica=' "$out/sim.out")
+
+  NO_COLOR=1 "$bin" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$tokenizer" \
+    --block-size 16 --policy precise "${replicas[@]}" >"$out/router.out" 2>"$out/router.err" &
+  ROUTER_PID=$!
+  read -r data _ < <(router_addrs "$out/router.err" "$ROUTER_PID" 60)
+  URL=http://127.0.0.1:${data##*:}
+  for _ in $(seq 1 100); do
+    curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
+      -d '{"model":"bench","prompt":"hello there","max_tokens":2}' >/dev/null && break
+    sleep 0.2
+  done
+}
