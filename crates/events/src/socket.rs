@@ -130,6 +130,7 @@ pub struct ZmqSocket {
 
 impl Drop for ZmqSocket {
     fn drop(&mut self) {
+        // A weight above one is a monitor's.
         if self.weight > 1 {
             self.stop_monitor();
         }
@@ -305,9 +306,7 @@ impl ZmqSocket {
 
     /// Starts reporting connection events of this socket.
     pub fn monitor(&mut self) -> Result<Monitor, SocketError> {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let addr = format!("inproc://kinference-monitor-{}-{n}", std::process::id());
+        let addr = monitor_address();
         let events = zmq::SocketEvent::CONNECTED.to_raw()
             | zmq::SocketEvent::ACCEPTED.to_raw()
             | zmq::SocketEvent::DISCONNECTED.to_raw()
@@ -335,13 +334,18 @@ impl ZmqSocket {
     /// is replaced by one that reports nothing: libzmq closes the old one first and sends no
     /// event while the event mask is empty, whether or not the new one could be opened.
     fn stop_monitor(&mut self) {
-        static NEXT: AtomicU64 = AtomicU64::new(0);
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let addr = format!("inproc://kinference-monitor-off-{}-{n}", std::process::id());
-        if let Err(e) = self.socket.monitor(&addr, 0) {
+        if let Err(e) = self.socket.monitor(&monitor_address(), 0) {
             tracing::debug!(error = %e, "replacing a socket monitor");
         }
     }
+}
+
+/// A fresh inproc endpoint for libzmq's end of a monitor (never reused: a closed monitor's
+/// endpoint is released in the background).
+fn monitor_address() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    format!("inproc://kinference-monitor-{}-{n}", std::process::id())
 }
 
 /// When a receiving socket next looks for messages once it ran dry. Each wake-up by the socket's

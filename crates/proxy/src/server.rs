@@ -11,10 +11,9 @@
 //! comes), or the router's own error in OpenAI's shape, counted once.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
-
-use std::future::Future;
 
 use axum::response::{IntoResponse, Response};
 use http::{Method, StatusCode};
