@@ -58,6 +58,9 @@
 #      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on the kinference
 #                            router (and the floor) during its 32-connection cell (RESULTS/.../kinference.rN.perf.data;
 #                            its CPU per request is then measured with perf attached)
+#      PERF_RECORD_SIM=      when set, the same on the simulator during every router's
+#                            32-connection cell (RESULTS/.../TARGET.rN.sim.perf.data): what the
+#                            replicas spend behind each router
 #      LOAD_CPUS=, ROUTER_CPUS=   CPU lists for taskset (e.g. LOAD_CPUS=0 ROUTER_CPUS=1): the
 #                            simulator and wrk run on LOAD_CPUS, each router on ROUTER_CPUS, so
 #                            a router does not take CPU from the replicas it fronts, as on a
@@ -433,10 +436,16 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
     perf record -q -F 499 --call-graph dwarf -p "$ROUTER_PID" -o "$prefix.perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi
+  local sim_perf_pid=""
+  if [ -n "${PERF_RECORD_SIM:-}" ] && [ "$t" != direct ] && [ "$cell" = c32 ]; then
+    perf record -q -F 499 --call-graph dwarf -p "$SIM_PID" -o "$prefix.sim.perf.data" >/dev/null 2>&1 &
+    sim_perf_pid=$!
+  fi
   run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw" "$addrs"
   [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID")
   s1=$(proc_ticks "$SIM_PID")
   if [ -n "$perf_pid" ]; then kill -INT "$perf_pid" 2>/dev/null; wait "$perf_pid" 2>/dev/null || true; fi
+  if [ -n "$sim_perf_pid" ]; then kill -INT "$sim_perf_pid" 2>/dev/null; wait "$sim_perf_pid" 2>/dev/null || true; fi
   cell_json "$t" "$round" "$pair" "$cell" "$conns" "$raw" $(( r1 - r0 )) $(( s1 - s0 )) "$load" >>"$CELLS"
   log "$t round $round $cell: $(grep -E '^Requests/sec' "$raw" | tr -s ' ') p50 $(awk '$1 == "50%" {print $2; exit}' "$raw") p99 $(awk '$1 == "99%" {print $2; exit}' "$raw")$(grep -E 'Non-2xx|Socket errors' "$raw" | tr '\n' ' ' | sed 's/^/ /')"
 }
