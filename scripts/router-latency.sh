@@ -58,6 +58,14 @@
 #      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on the kinference
 #                            router (and the floor) during its 32-connection cell (RESULTS/.../kinference.rN.perf.data;
 #                            its CPU per request is then measured with perf attached)
+#      KINF_NO_EVENTS=       when set, kinference is given the replicas without their KV-event
+#                            endpoints (a diagnostic: its index then holds only its own
+#                            placements, and the replicas publish to no one)
+#      EVENTS_SINK=          when set, every other router's cells run with an idle `kinference
+#                            serve` subscribed to the replicas' KV events beside it, so that the
+#                            replicas publish to a subscriber behind every router, as a fleet with
+#                            KV events enabled does (without a subscriber they send nothing);
+#                            the sink's own CPU is counted in no column (it is logged)
 #      PERF_RECORD_SIM=      when set, the same on the simulator during every router's
 #                            32-connection cell (RESULTS/.../TARGET.rN.sim.perf.data): what the
 #                            replicas spend behind each router
@@ -296,7 +304,11 @@ while read -r line; do
   ev=$(field "$line" events | sed 's#//0\.0\.0\.0:#//127.0.0.1:#')
   rp=$(field "$line" replay)
   URLS+=("$url")
-  KINF_REPLICAS+=(--replica "$url,events=$ev,replay=$rp")
+  if [ -n "${KINF_NO_EVENTS:-}" ]; then
+    KINF_REPLICAS+=(--replica "$url")
+  else
+    KINF_REPLICAS+=(--replica "$url,events=$ev,replay=$rp")
+  fi
 done < <(grep '^replica=' "$OUT/sim.out")
 for u in "${URLS[@]}"; do
   completion_ok "$u" || die "replica $u does not answer /v1/completions"
@@ -463,6 +475,16 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
     ROUTER_PID=""
     return 1
   fi
+  local sink_pid="" sink0=0
+  if [ -n "${EVENTS_SINK:-}" ] && [ "$t" != direct ] && [ "$t" != kinference ]; then
+    NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
+      --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
+      >"$prefix.sink.out" 2>"$prefix.sink.err" &
+    sink_pid=$!
+    PIDS+=("$sink_pid")
+    router_addrs "$prefix.sink.err" "$sink_pid" 120 >/dev/null || die "the events sink did not start (see $prefix.sink.err)"
+    sink0=$(proc_ticks "$sink_pid")
+  fi
   chat_stream_ok "$TARGET_URL" || log "warning: $t did not stream a chat completion to [DONE] in the smoke check"
   run_wrk "$TARGET_URL" "$CONNS" "$WARMUP" "$MODE" "${t//-/}r${round}${pair//-/}warm$$" "$prefix.warmup.txt"
   run_cell "$t" "$round" "$pair" "$prefix" c1 1 "$MODE"
@@ -477,6 +499,10 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
   if [ "$t" = kinference ]; then
     admin=$(sed -n 's/^admin=//p' "$OUT/$t.r$round.out")
     curl -sf "$admin/metrics" >"$prefix.metrics.txt" 2>/dev/null || true
+  fi
+  if [ -n "$sink_pid" ]; then
+    log "$t round $round: the events sink used $(( $(proc_ticks "$sink_pid") - sink0 )) ticks over the target's cells"
+    stop_tree "$sink_pid" 5
   fi
   [ -n "$ROUTER_PID" ] && stop_tree "$ROUTER_PID" 5
   ROUTER_PID=""
