@@ -58,6 +58,7 @@
 #      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on the kinference
 #                            router (and the floor) during its 32-connection cell (RESULTS/.../kinference.rN.perf.data;
 #                            its CPU per request is then measured with perf attached)
+#      PERF_CELL=c32         the cell PERF_RECORD records (c1, c32 or chat1)
 #      KINF_NO_EVENTS=       when set, kinference is given the replicas without their KV-event
 #                            endpoints (a diagnostic: its index then holds only its own
 #                            placements, and the replicas publish to no one)
@@ -444,7 +445,7 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
   s0=$(proc_ticks "$SIM_PID")
   local perf_pid=""
-  if [ -n "${PERF_RECORD:-}" ] && { [ "$t" = kinference ] || [ "${t%-hyper}" = floor ]; } && [ "$cell" = c32 ]; then
+  if [ -n "${PERF_RECORD:-}" ] && { [ "$t" = kinference ] || [ "${t%-hyper}" = floor ]; } && [ "$cell" = "${PERF_CELL:-c32}" ]; then
     perf record -q -F 499 --call-graph dwarf -p "$ROUTER_PID" -o "$prefix.perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi
