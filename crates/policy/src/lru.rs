@@ -335,22 +335,23 @@ mod tests {
         assert_eq!(lru.order.len(), kept);
     }
 
-    /// The Mooncake conversation trace's requests as 16-token blocks (its ids name prefix-chained
-    /// 512-token blocks; vLLM hashes full blocks only).
+    /// The Mooncake conversation trace's requests as 16-token blocks: its ids name
+    /// prefix-chained 512-token blocks, each split here into 32 keys, and vLLM hashes full
+    /// blocks only.
     fn mooncake_blocks() -> Vec<Vec<BlockHash>> {
+        use kinference_bench::workload::Prompt;
         let path = kinference_testkit::shared("data/traces/mooncake/conversation_trace.jsonl");
-        let text = std::fs::read_to_string(&path).unwrap();
-        text.lines()
-            .map(|l| {
-                let v: serde_json::Value = serde_json::from_str(l).unwrap();
-                let full = v["input_length"].as_u64().unwrap() / 16;
-                let ids = v["hash_ids"].as_array().unwrap();
+        let trace = kinference_bench::sources::read_mooncake(&path, 512, usize::MAX).unwrap();
+        trace
+            .requests
+            .iter()
+            .map(|r| {
+                let Prompt::Blocks { ids, len, .. } = &r.prompt else {
+                    panic!("a Mooncake request without block ids");
+                };
                 ids.iter()
-                    .flat_map(|id| {
-                        let id = id.as_u64().unwrap();
-                        (0..32).map(move |j| BlockHash(id * 32 + j))
-                    })
-                    .take(full as usize)
+                    .flat_map(|id| (0..32).map(move |j| BlockHash(id * 32 + j)))
+                    .take(len / 16)
                     .collect()
             })
             .collect()
