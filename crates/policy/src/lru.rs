@@ -17,7 +17,7 @@
 //! falls in the first 1/2^`shift` of the range, and the model holds `capacity / 2^shift` of
 //! them. A replica holds tens of thousands of blocks and more; modelled one by one they cost
 //! two cache-missing probes per block of every request (the router's largest single cost in
-//! the policy crate on real chat text) and a few megabytes per worker. Sampling keeps the
+//! the policy crate on real chat text) and a megabyte or more per worker. Sampling keeps the
 //! order among the modelled blocks, and a block's ancestors are always used after it (they
 //! precede it in every request that holds it, and a request's head is used last), so the held
 //! blocks of a request are a prefix in the model as in the cache: a request's leading held
@@ -36,8 +36,9 @@ use crate::tracker::MixHasher;
 
 /// Caches this large or larger are sampled (each sample still models 4,096 blocks or more).
 pub(crate) const SAMPLE_ABOVE: usize = 8192;
-/// At most one block in 8 is skipped: a request of a few dozen blocks still has several
-/// modelled ones to bracket its held prefix.
+/// At least one block in 4 is modelled: a request of a few dozen blocks still has several
+/// modelled ones to bracket its held prefix (one in 8 guessed 2–4 % short where requests end
+/// in short private tails; BENCHMARKS.md).
 pub(crate) const MAX_SHIFT: u32 = 2;
 
 /// How many halvings of the block range a cache of `capacity` blocks is modelled at.
