@@ -17,7 +17,8 @@
 #
 # usage: scripts/savings-crosscheck.sh [BINARY]
 # env: CROSSCHECK_REQUESTS (200), CROSSCHECK_GPU_BLOCKS (4096: KV blocks per replica; 300 holds
-#      about four of the eight prefixes, so the replicas evict)
+#      about four of the eight prefixes, so the replicas evict; from 8192 the baseline's cache
+#      model is a sample of the blocks)
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
