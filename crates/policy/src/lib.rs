@@ -31,6 +31,6 @@ mod types;
 pub use config::{ApproximateConfig, ConfigError, ConfigErrors, PolicyConfig, PreciseConfig};
 pub use policy::{Applied, Policy};
 pub use scale_in::{unique_span, UniqueHits, UniqueSpan};
-pub use shadow::{Guess, Shadow, ShadowError};
+pub use shadow::{Guess, Shadow, ShadowError, CAPACITY_UNKNOWN};
 pub use tracker::{Inserted, PrefixTracker};
 pub use types::{Candidate, Decision, Load, Reason, RequestCtx, Score};

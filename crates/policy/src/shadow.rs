@@ -20,9 +20,15 @@ use std::time::Duration;
 use kinference_index::WorkerId;
 
 use crate::config::PolicyConfig;
-use crate::lru::BlockLru;
+use crate::lru::{BlockLru, SAMPLE_ABOVE};
 use crate::policy::Policy;
 use crate::types::{Candidate, RequestCtx};
+
+/// The bound for a baseline whose replicas have not reported their KV capacity yet: the
+/// largest cache modelled whole. Learning the capacity then only ever makes the model coarser
+/// or smaller, and a coarser sample keeps the blocks it has (a finer one would guess short
+/// until its prefixes are used again).
+pub const CAPACITY_UNKNOWN: usize = SAMPLE_ABOVE - 1;
 
 /// One baseline policy with its own picture of the caches.
 #[derive(Clone, Debug)]
@@ -194,6 +200,31 @@ mod tests {
         // a was routed again last: only its 4 blocks are left.
         assert_eq!(s.observe(&ctx(&a, 3), &one, now).cached_blocks, 4);
         assert_eq!(s.observe(&ctx(&b, 4), &one, now).cached_blocks, 0);
+    }
+
+    /// Until the capacity is known the model is whole (exact guesses); learning a large one
+    /// leaves it guessing as a model built at that capacity from the start would.
+    #[test]
+    fn learning_a_large_capacity_keeps_what_the_model_holds() {
+        let one = [Candidate::new(worker(0))];
+        let now = Duration::ZERO;
+        let mut learnt = Shadow::new("round-robin", CAPACITY_UNKNOWN).unwrap();
+        let mut known = Shadow::new("round-robin", 28_000).unwrap();
+        let requests: Vec<Vec<BlockHash>> = (0..40).map(|p| hashes(p % 10, 30 + p)).collect();
+        for (t, h) in requests.iter().enumerate().take(20) {
+            let guess = learnt.observe(&ctx(h, t as u64), &one, now).cached_blocks;
+            // Whole: a prefix seen before is found to its last block (each group's length
+            // grows, so the earlier request's blocks are all there).
+            let want = if t >= 10 { h.len() as u32 - 10 } else { 0 };
+            assert_eq!(guess, want, "request {t}");
+            known.observe(&ctx(h, t as u64), &one, now);
+        }
+        learnt.set_capacity(28_000);
+        for (t, h) in requests.iter().enumerate().skip(20) {
+            let a = learnt.observe(&ctx(h, t as u64), &one, now);
+            let b = known.observe(&ctx(h, t as u64), &one, now);
+            assert_eq!(a, b, "request {t}");
+        }
     }
 
     #[test]

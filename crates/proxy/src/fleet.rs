@@ -471,7 +471,7 @@ impl Pool {
 /// Health as stored in an atomic.
 /// The baselines' cache bound per worker, in blocks, until a replica of the pool reports its KV
 /// capacity (`num_gpu_blocks` of `vllm:cache_config_info`).
-pub(crate) const BASELINE_CAPACITY_UNKNOWN: usize = 1 << 16;
+pub(crate) const BASELINE_CAPACITY_UNKNOWN: usize = kinference_policy::CAPACITY_UNKNOWN;
 
 const UNKNOWN: u8 = 0;
 const UP: u8 = 1;
