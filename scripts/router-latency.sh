@@ -362,6 +362,14 @@ NGINXEOF
 
 # --- targets
 ROUTER_PID=""
+# `kinference serve` in front of the replicas, in the background ($! is its PID), its output in
+# PREFIX.out and PREFIX.err.
+kinference_serve() { # PREFIX
+  NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
+    --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
+    >"$1.out" 2>"$1.err" &
+}
+
 start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
   local t=$1 round=$2 port admin prom
   ROUTER_PID=""
@@ -371,9 +379,7 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
       return 0
       ;;
     kinference)
-      NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
-        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
-        >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
+      kinference_serve "$OUT/$t.r$round"
       ;;
     vllm-router)
       read -r port prom < <(free_ports 2)
@@ -478,9 +484,7 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
   fi
   local sink_pid="" sink0=0
   if [ -n "${EVENTS_SINK:-}" ] && [ "$t" != direct ] && [ "$t" != kinference ]; then
-    NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
-      --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
-      >"$prefix.sink.out" 2>"$prefix.sink.err" &
+    kinference_serve "$prefix.sink"
     sink_pid=$!
     PIDS+=("$sink_pid")
     router_addrs "$prefix.sink.err" "$sink_pid" 120 >/dev/null || die "the events sink did not start (see $prefix.sink.err)"
