@@ -24,15 +24,7 @@ source "$HERE/lib/net.sh"
 # shellcheck source=lib/bench.sh
 source "$HERE/lib/bench.sh"
 
-BIN=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
-TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
-WARMUP=${WARMUP:-3s}
-DURATION=${DURATION:-4s}
-OUT=${RESULTS:-$REPO/target/router-allocations}/$(date -u +%Y%m%d-%H%M%S)
-mkdir -p "$OUT"
-for tool in perf wrk curl; do
-  command -v "$tool" >/dev/null || { echo "router-allocations.sh: needs $tool" >&2; exit 1; }
-done
+bench_setup router-allocations "$1"
 
 SIM_PID="" ROUTER_PID="" PROBES=()
 cleanup() {
@@ -55,16 +47,7 @@ done
 
 start_bench_fleet "$BIN" "$TOKENIZER" "$OUT"
 
-LUA=$HERE/router-latency.lua
-wrk -t2 -c32 -d"$WARMUP" -s "$LUA" "$URL" -- completions bench 8 "alw$$" 4000 >/dev/null
-EVENTS=$(IFS=,; echo "${PROBES[*]}")
-perf stat -x, --per-thread -e "$EVENTS" -p "$ROUTER_PID" -o "$OUT/perf.csv" &
-PERF_PID=$!
-sleep 0.3
-wrk -t2 -c32 -d"$DURATION" -s "$LUA" "$URL" -- completions bench 8 "alm$$" 4000 >"$OUT/wrk.txt"
-kill -INT "$PERF_PID"
-wait "$PERF_PID" || true
-REQUESTS=$(awk '/requests in/ {print $1}' "$OUT/wrk.txt")
+bench_count al --per-thread -e "$(IFS=,; echo "${PROBES[*]}")"
 echo "binary: $BIN"
 echo "requests: $REQUESTS (wrk, 32 connections, $DURATION, under uprobes)"
 for event in "${PROBES[@]}"; do echo "$event ${KIND[$event]}"; done >"$OUT/kinds.txt"

@@ -23,15 +23,7 @@ source "$HERE/lib/net.sh"
 # shellcheck source=lib/bench.sh
 source "$HERE/lib/bench.sh"
 
-BIN=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
-TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
-WARMUP=${WARMUP:-3s}
-DURATION=${DURATION:-4s}
-OUT=${RESULTS:-$REPO/target/router-syscalls}/$(date -u +%Y%m%d-%H%M%S)
-mkdir -p "$OUT"
-for tool in perf wrk curl; do
-  command -v "$tool" >/dev/null || { echo "router-syscalls.sh: needs $tool" >&2; exit 1; }
-done
+bench_setup router-syscalls "$1"
 
 SIM_PID="" ROUTER_PID=""
 cleanup() { stop "$ROUTER_PID"; stop "$SIM_PID"; }
@@ -39,17 +31,9 @@ trap cleanup EXIT
 
 start_bench_fleet "$BIN" "$TOKENIZER" "$OUT"
 
-LUA=$HERE/router-latency.lua
-wrk -t2 -c32 -d"$WARMUP" -s "$LUA" "$URL" -- completions bench 8 "sysw$$" 4000 >/dev/null
 CALLS=(epoll_wait recvfrom writev poll sendto futex sched_yield)
 EVENTS=$(printf 'syscalls:sys_enter_%s,' "${CALLS[@]}")raw_syscalls:sys_enter
-perf stat -x, -e "$EVENTS" -p "$ROUTER_PID" -o "$OUT/perf.csv" &
-PERF_PID=$!
-sleep 0.3
-wrk -t2 -c32 -d"$DURATION" -s "$LUA" "$URL" -- completions bench 8 "sysm$$" 4000 >"$OUT/wrk.txt"
-kill -INT "$PERF_PID"
-wait "$PERF_PID" || true
-REQUESTS=$(awk '/requests in/ {print $1}' "$OUT/wrk.txt")
+bench_count sys -e "$EVENTS"
 echo "binary: $BIN"
 echo "requests: $REQUESTS (wrk, 32 connections, $DURATION)"
 awk -F, -v n="$REQUESTS" '$3 ~ /sys_enter/ {

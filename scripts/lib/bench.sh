@@ -1,7 +1,23 @@
 # bench.sh - the fleet scripts/router-syscalls.sh and scripts/router-allocations.sh count the
 # router's per-request work against: 4 simulated replicas with KV events on (one `kinference
 # sim` process, --speedup 100000) and `kinference serve --policy precise` in front, both on
-# port 0. Needs lib/proc.sh and lib/net.sh sourced first.
+# port 0, and the run both make against it. Needs lib/proc.sh and lib/net.sh sourced first.
+
+# bench_setup NAME BINARY: the settings both scripts take (BIN made absolute; TOKENIZER,
+# WARMUP, DURATION, and OUT, a fresh directory under RESULTS or target/NAME) and a check that
+# perf, wrk and curl are there. Needs REPO.
+bench_setup() {
+  local name=$1 tool
+  BIN=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
+  TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
+  WARMUP=${WARMUP:-3s}
+  DURATION=${DURATION:-4s}
+  OUT=${RESULTS:-$REPO/target/$name}/$(date -u +%Y%m%d-%H%M%S)
+  mkdir -p "$OUT"
+  for tool in perf wrk curl; do
+    command -v "$tool" >/dev/null || { echo "$name.sh: needs $tool" >&2; exit 1; }
+  done
+}
 
 # start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
 # the router answers a completion. Sets SIM_PID and ROUTER_PID, each as soon as its process
@@ -27,4 +43,20 @@ start_bench_fleet() {
       -d '{"model":"bench","prompt":"hello there","max_tokens":2}' >/dev/null && break
     sleep 0.2
   done
+}
+
+# bench_count TAG PERF_STAT_ARGS...: wrk at 32 connections with the developers' workload for
+# WARMUP, then for DURATION with `perf stat -x, PERF_STAT_ARGS -p ROUTER_PID` counting into
+# OUT/perf.csv (wrk's report in OUT/wrk.txt). Sets REQUESTS, those wrk completed while counted.
+bench_count() {
+  local tag=$1 lua=$HERE/router-latency.lua perf_pid
+  shift
+  wrk -t2 -c32 -d"$WARMUP" -s "$lua" "$URL" -- completions bench 8 "${tag}w$$" 4000 >/dev/null
+  perf stat -x, "$@" -p "$ROUTER_PID" -o "$OUT/perf.csv" &
+  perf_pid=$!
+  sleep 0.3
+  wrk -t2 -c32 -d"$DURATION" -s "$lua" "$URL" -- completions bench 8 "${tag}m$$" 4000 >"$OUT/wrk.txt"
+  kill -INT "$perf_pid"
+  wait "$perf_pid" || true
+  REQUESTS=$(awk '/requests in/ {print $1}' "$OUT/wrk.txt")
 }
