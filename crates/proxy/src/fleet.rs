@@ -32,7 +32,7 @@ use std::time::Duration;
 use http::HeaderName;
 use kinference_events::{EventPlane, EventPlaneConfig, ReplicaConfig, WorkerConfig};
 use kinference_index::{Index, ReplicaId, WorkerId};
-use kinference_policy::{Load, Policy, Shadow, UniqueHits};
+use kinference_policy::{Load, Policy, Shadow, UniqueHits, CAPACITY_UNKNOWN};
 use kinference_tokenize::{Tokenizer, TokenizerOptions};
 use kinference_vllm::{BlockHash, BlockHasher, DpRank, Lora};
 use parking_lot::{Mutex, RwLock};
@@ -298,7 +298,7 @@ impl Rules {
             None => Arc::new(Mutex::new(
                 pc.baselines
                     .iter()
-                    .filter_map(|b| Shadow::new(b, BASELINE_CAPACITY_UNKNOWN).ok())
+                    .filter_map(|b| Shadow::new(b, CAPACITY_UNKNOWN).ok())
                     .collect(),
             )),
         };
@@ -406,11 +406,9 @@ impl Pool {
     /// reports a capacity that changed, so the first requests after a replica is read already
     /// count against it.
     pub fn fit_baselines(&self) {
-        let capacity = self
-            .blocks_per_worker()
-            .map_or(BASELINE_CAPACITY_UNKNOWN, |b| {
-                usize::try_from(b).unwrap_or(usize::MAX)
-            });
+        let capacity = self.blocks_per_worker().map_or(CAPACITY_UNKNOWN, |b| {
+            usize::try_from(b).unwrap_or(usize::MAX)
+        });
         for s in self.rules().shadows.lock().iter_mut() {
             s.set_capacity(capacity);
         }
@@ -469,10 +467,6 @@ impl Pool {
 }
 
 /// Health as stored in an atomic.
-/// The baselines' cache bound per worker, in blocks, until a replica of the pool reports its KV
-/// capacity (`num_gpu_blocks` of `vllm:cache_config_info`).
-pub(crate) const BASELINE_CAPACITY_UNKNOWN: usize = kinference_policy::CAPACITY_UNKNOWN;
-
 const UNKNOWN: u8 = 0;
 const UP: u8 = 1;
 const DOWN: u8 = 2;
