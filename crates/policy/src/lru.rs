@@ -387,6 +387,11 @@ mod tests {
         ] {
             let (w, s) = whole_and_sampled(stream, capacity);
             let err = (s as f64 - w as f64) / w as f64;
+            // BENCHMARKS.md quotes these (`-- --nocapture`).
+            eprintln!(
+                "{name} at {capacity}: whole {w}, sample {s}, {:+.2} %",
+                100.0 * err
+            );
             assert!(
                 w > 100_000 && err.abs() < 0.03,
                 "{name} at {capacity}: whole {w}, sample {s}"
