@@ -44,7 +44,7 @@
 #                            (also `floor`: crates/proxy/examples/http_floor.rs, a bare tokio +
 #                            httparse keep-alive forwarder, round-robin, no routing: what the HTTP
 #                            layer alone can cost; FLOOR_BIN=its binary, else cargo builds it;
-#                            and `floor-hyper`, the same through hyper and hyper-util's client)
+#                            and `floor-hyper`, the same through hyper and hyper-util's client; `floor-mixed`, hyper's server with the lean client)
 #      CONNS=32              connections of the throughput cell
 #      PREFIX_CHARS=4000     length of each shared prefix
 #      MAX_TOKENS=8
@@ -204,14 +204,14 @@ for t in "${WANTED[@]}"; do
       if [ -z "$NGINX" ] && (need_apt nginx nginx); then NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true); fi
       if [ -n "$NGINX" ]; then RUN_TARGETS+=("$t"); else log "skipping nginx: not installed"; fi
       ;;
-    floor | floor-hyper)
+    floor | floor-hyper | floor-mixed)
       if [ -z "${FLOOR_BIN:-}" ]; then
         (cd "$REPO" && cargo build -q --release -p kinference-proxy --example http_floor) || die "building http_floor failed"
         FLOOR_BIN=${CARGO_TARGET_DIR:-$REPO/target}/release/examples/http_floor
       fi
       RUN_TARGETS+=("$t")
       ;;
-    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router, nginx, floor, floor-hyper)" ;;
+    *) die "unknown target '$t' (direct, kinference, vllm-router, sglang-router, nginx, floor, floor-hyper, floor-mixed)" ;;
   esac
 done
 
@@ -397,10 +397,10 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
         --prometheus-host 127.0.0.1 --prometheus-port "$prom" --log-level warn \
         >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
-    floor | floor-hyper)
+    floor | floor-hyper | floor-mixed)
       port=$(free_ports 1)
-      local stack=lean
-      [ "$t" = floor-hyper ] && stack=hyper
+      local stack=${t#floor-}
+      [ "$t" = floor ] && stack=lean
       "${PIN_ROUTER[@]}" "$FLOOR_BIN" --stack "$stack" "127.0.0.1:$port" "${URLS[@]}" >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
     nginx)
@@ -451,7 +451,7 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
   s0=$(proc_ticks "$SIM_PID")
   local perf_pid=""
-  if [ -n "${PERF_RECORD:-}" ] && { [ "$t" = kinference ] || [ "${t%-hyper}" = floor ]; } && [ "$cell" = "${PERF_CELL:-c32}" ]; then
+  if [ -n "${PERF_RECORD:-}" ] && { [ "$t" = kinference ] || [ "${t%%-*}" = floor ]; } && [ "$cell" = "${PERF_CELL:-c32}" ]; then
     perf record -q -F 499 --call-graph dwarf -p "$ROUTER_PID" -o "$prefix.perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi

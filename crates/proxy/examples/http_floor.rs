@@ -9,8 +9,12 @@
 //! (the router's stack, without axum and without any of the router's own code), so the two
 //! modes split the router's HTTP cost into what hyper takes and what the router adds.
 //!
+//! `--stack mixed` is hyper's server with the lean client (the request's own task writes the
+//! request and reads the whole response, no client connection task), to split hyper's cost
+//! between its two sides.
+//!
 //! `cargo run --release -p kinference-proxy --example http_floor -- [--threads N]
-//! [--stack lean|hyper] LISTEN URL...` prints `listening on ADDR` once bound (`LISTEN` may use
+//! [--stack lean|hyper|mixed] LISTEN URL...` prints `listening on ADDR` once bound (`LISTEN` may use
 //! port 0).
 //!
 //! Invariants: a request with a body must carry Content-Length (chunked requests get 411 and a
@@ -30,17 +34,19 @@ const MAX_HEADERS: usize = 64;
 fn main() -> std::io::Result<()> {
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     let mut threads = 2usize;
-    let mut hyper_stack = false;
+    let mut stack = String::from("lean");
     loop {
         match (args.first().map(String::as_str), args.get(1)) {
             (Some("--threads"), Some(n)) => threads = n.parse().unwrap_or(2).max(1),
-            (Some("--stack"), Some(s)) => hyper_stack = s == "hyper",
+            (Some("--stack"), Some(s)) => stack = s.clone(),
             _ => break,
         }
         args.drain(..2);
     }
     let (listen, urls) = args.split_first().ok_or_else(|| {
-        std::io::Error::other("usage: http_floor [--threads N] [--stack lean|hyper] LISTEN URL...")
+        std::io::Error::other(
+            "usage: http_floor [--threads N] [--stack lean|hyper|mixed] LISTEN URL...",
+        )
     })?;
     let upstreams: Vec<SocketAddr> = urls
         .iter()
@@ -61,12 +67,11 @@ fn main() -> std::io::Result<()> {
     for i in 0..threads {
         let l = listener.try_clone()?;
         let ups = upstreams.clone();
-        handles.push(std::thread::spawn(move || {
-            if hyper_stack {
-                serve_hyper(l, ups, i)
-            } else {
-                serve(l, ups, i)
-            }
+        let stack = stack.clone();
+        handles.push(std::thread::spawn(move || match stack.as_str() {
+            "hyper" => serve_hyper(l, ups, i),
+            "mixed" => serve_mixed(l, ups, i),
+            _ => serve(l, ups, i),
         }));
     }
     for h in handles {
@@ -151,6 +156,172 @@ fn serve_hyper(
                 .await;
         }
     })
+}
+
+/// hyper's HTTP/1 server with the lean client: the request's own task checks a connection
+/// out of this thread's pool, writes head and body in one call and reads the whole response
+/// (no client connection task, no dispatch channel), to split hyper's cost between its
+/// server and its client.
+fn serve_mixed(
+    l: std::net::TcpListener,
+    ups: Vec<SocketAddr>,
+    start: usize,
+) -> std::io::Result<()> {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::rt::TokioIo;
+
+    let pools: Rc<Vec<RefCell<Vec<TcpStream>>>> =
+        Rc::new(ups.iter().map(|_| RefCell::new(Vec::new())).collect());
+    let next = Rc::new(Cell::new(start));
+    let ups = Rc::new(ups);
+    accept_loop(l, true, move |c| {
+        let (pools, next, ups) = (pools.clone(), next.clone(), ups.clone());
+        let svc = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+            let (pools, next, ups) = (pools.clone(), next.clone(), ups.clone());
+            async move {
+                let (parts, body) = req.into_parts();
+                let body = body
+                    .collect()
+                    .await
+                    .map_err(std::io::Error::other)?
+                    .to_bytes();
+                let i = next.get() % ups.len();
+                next.set(i + 1);
+                let mut out = Vec::with_capacity(512 + body.len());
+                let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+                out.extend_from_slice(parts.method.as_str().as_bytes());
+                out.extend_from_slice(b" ");
+                out.extend_from_slice(pq.as_bytes());
+                out.extend_from_slice(b" HTTP/1.1\r\n");
+                for (k, v) in parts.headers.iter() {
+                    out.extend_from_slice(k.as_str().as_bytes());
+                    out.extend_from_slice(b": ");
+                    out.extend_from_slice(v.as_bytes());
+                    out.extend_from_slice(b"\r\n");
+                }
+                out.extend_from_slice(b"\r\n");
+                out.extend_from_slice(&body);
+                let pooled = pools[i].borrow_mut().pop();
+                let mut u = match pooled {
+                    Some(u) => u,
+                    None => {
+                        let u = TcpStream::connect(ups[i]).await?;
+                        u.set_nodelay(true)?;
+                        u
+                    }
+                };
+                u.write_all(&out).await?;
+                let mut buf = Vec::with_capacity(16 * 1024);
+                let (status, headers, body, keep) = read_response(&mut u, &mut buf).await?;
+                if keep {
+                    pools[i].borrow_mut().push(u);
+                }
+                let mut resp = hyper::Response::new(Full::new(bytes::Bytes::from(body)));
+                *resp.status_mut() =
+                    hyper::StatusCode::from_u16(status).map_err(std::io::Error::other)?;
+                *resp.headers_mut() = headers;
+                Ok::<_, std::io::Error>(resp)
+            }
+        });
+        async move {
+            let _ = hyper::server::conn::http1::Builder::new()
+                .serve_connection(TokioIo::new(c), svc)
+                .await;
+        }
+    })
+}
+
+/// One whole response: status, its end-to-end headers, the body (de-chunked), and whether
+/// the connection can carry another request.
+async fn read_response(
+    u: &mut TcpStream,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<(u16, hyper::HeaderMap, Vec<u8>, bool)> {
+    loop {
+        if read_more(u, buf).await? == 0 {
+            return Err(std::io::Error::other("upstream closed before a response"));
+        }
+        let mut headers = [httparse::EMPTY_HEADER; MAX_HEADERS];
+        let mut resp = httparse::Response::new(&mut headers);
+        if let httparse::Status::Complete(head) = resp.parse(buf).map_err(std::io::Error::other)? {
+            let mut map = hyper::HeaderMap::with_capacity(resp.headers.len());
+            let mut framing = Framing::Close;
+            let mut keep = true;
+            for h in resp.headers.iter() {
+                if h.name.eq_ignore_ascii_case("content-length") {
+                    let n = std::str::from_utf8(h.value)
+                        .ok()
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    framing = Framing::Length(n);
+                    continue;
+                } else if h.name.eq_ignore_ascii_case("transfer-encoding") {
+                    framing = Framing::Chunked;
+                    continue;
+                } else if h.name.eq_ignore_ascii_case("connection") {
+                    keep = !h.value.eq_ignore_ascii_case(b"close");
+                    continue;
+                }
+                if let (Ok(k), Ok(v)) = (
+                    hyper::header::HeaderName::from_bytes(h.name.as_bytes()),
+                    hyper::header::HeaderValue::from_bytes(h.value),
+                ) {
+                    map.append(k, v);
+                }
+            }
+            let status = resp.code.unwrap_or(502);
+            if matches!(status, 204 | 304) {
+                framing = Framing::Length(0);
+            }
+            let rest = buf.split_off(head);
+            *buf = rest;
+            return match framing {
+                Framing::Length(n) => {
+                    while buf.len() < n {
+                        if read_more(u, buf).await? == 0 {
+                            return Err(std::io::Error::other("short body"));
+                        }
+                    }
+                    buf.truncate(n);
+                    Ok((status, map, std::mem::take(buf), keep))
+                }
+                Framing::Chunked => {
+                    let mut scan = Chunks::default();
+                    let mut done = scan.feed(buf);
+                    while !done {
+                        let at = buf.len();
+                        if read_more(u, buf).await? == 0 {
+                            return Err(std::io::Error::other("short body"));
+                        }
+                        done = scan.feed(&buf[at..]);
+                    }
+                    Ok((status, map, dechunk(buf), keep))
+                }
+                Framing::Close => {
+                    while read_more(u, buf).await? > 0 {}
+                    Ok((status, map, std::mem::take(buf), false))
+                }
+            };
+        }
+    }
+}
+
+/// The data of a complete chunked body (extensions and trailers dropped).
+fn dechunk(b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(b.len());
+    let mut rest = b;
+    while let Some(eol) = rest.iter().position(|&x| x == b'\n') {
+        let line = std::str::from_utf8(&rest[..eol]).unwrap_or("0");
+        let size = line.split(';').next().unwrap_or("0").trim();
+        let n = usize::from_str_radix(size, 16).unwrap_or(0);
+        rest = &rest[eol + 1..];
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.extend_from_slice(&rest[..n]);
+        rest = rest.get(n + 2..).unwrap_or(&[]);
+    }
+    out
 }
 
 async fn connection(

@@ -4,7 +4,9 @@
 //!  accept loop ── a place among limits.max_connections (none free: stop accepting, count a
 //!       │          pause, wait for a connection to close; the kernel's backlog holds the rest)
 //!       ▼
-//!  connection task: hyper (HTTP/1.1, or HTTP/2 with a stream cap and PINGs) + its watchdog:
+//!  connection task: on the data port, plain HTTP/1.1 requests on its own path ([`crate::h1`])
+//!    until one is not plain; then, and on the admin port from the start, hyper (HTTP/1.1,
+//!    or HTTP/2 with a stream cap and PINGs); either way with its watchdog:
 //!    no request yet, or a head begun ── header_read_ms ──▶ closed   (slow or stalled head)
 //!    idle between requests          ── keep_alive_ms  ──▶ closed   (graceful)
 //!    a request in flight            ── (request timeouts are the handlers' business)
@@ -44,6 +46,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Limits, Timeouts};
+use crate::h1::{self, ReqBody};
 use crate::limits::{LimitMetrics, PortLabel};
 
 /// What a port serves: a request in, its response out. The admin port serves an axum router;
@@ -52,12 +55,12 @@ use crate::limits::{LimitMetrics, PortLabel};
 pub(crate) trait App: Clone + Send + Sync + 'static {
     fn call(
         &self,
-        req: http::Request<Incoming>,
+        req: http::Request<ReqBody>,
     ) -> impl Future<Output = Response> + Send + use<Self>;
 }
 
 impl App for axum::Router {
-    fn call(&self, req: http::Request<Incoming>) -> impl Future<Output = Response> + Send + use<> {
+    fn call(&self, req: http::Request<ReqBody>) -> impl Future<Output = Response> + Send + use<> {
         let fut = hyper::service::Service::call(&TowerToHyperService::new(self.clone()), req);
         async move {
             match fut.await {
@@ -76,6 +79,8 @@ pub(crate) struct ConnRules {
     pub h2_max_streams: u32,
     pub h2_ping_interval: Option<Duration>,
     pub h2_ping_timeout: Duration,
+    /// Plain HTTP/1.1 requests served by [`crate::h1`] (the data port) rather than hyper.
+    pub h1_fast_path: bool,
 }
 
 impl ConnRules {
@@ -86,6 +91,7 @@ impl ConnRules {
             h2_max_streams: l.h2_max_concurrent_streams,
             h2_ping_interval: t.h2_keep_alive_interval(),
             h2_ping_timeout: t.h2_keep_alive_timeout(),
+            h1_fast_path: false,
         }
     }
 }
@@ -417,18 +423,61 @@ enum Expiry {
     KeepAlive,
 }
 
+impl Expiry {
+    fn label(self) -> &'static str {
+        match self {
+            Expiry::HeaderRead => "header_read",
+            Expiry::KeepAlive => "keep_alive",
+        }
+    }
+}
+
+/// What the fast path reports: the same state hyper's connections keep through [`Watched`]
+/// and the service.
+impl h1::Watch for Arc<ConnState> {
+    type Active = Active;
+
+    fn read(&self, bytes: &[u8]) {
+        ConnState::read(self, bytes);
+    }
+
+    fn begin(&self) -> Active {
+        Active::begin(self)
+    }
+}
+
 impl<A: App> Connection<A> {
     async fn run(self, tcp: TcpStream) {
         let state = Arc::new(ConnState::new());
+        let (tcp, replay) = if self.rules.h1_fast_path {
+            let app = &self.app;
+            let lean = h1::serve(tcp, &state, |req| app.call(req), &self.stop);
+            let watchdog = watchdog(&state, &self.rules);
+            let ended = tokio::select! {
+                ended = lean => ended,
+                // Only while no request is in flight: nothing to answer.
+                expiry = watchdog => {
+                    self.metrics.timeout(self.port, expiry.label());
+                    return;
+                }
+            };
+            match ended {
+                h1::Ended::Closed => return,
+                h1::Ended::Handover(tcp, replay) => (tcp, replay),
+            }
+        } else {
+            (tcp, Bytes::new())
+        };
         let io = TokioIo::new(Watched {
             tcp,
+            replay,
             state: state.clone(),
         });
         let app = self.app.clone();
         let tracked = state.clone();
         let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
             let active = Active::begin(&tracked);
-            let fut = app.call(req);
+            let fut = app.call(req.map(ReqBody::Hyper));
             async move {
                 let resp = fut.await;
                 // Not boxed again: hyper takes the wrapper as the body type.
@@ -446,11 +495,7 @@ impl<A: App> Connection<A> {
             r = conn.as_mut() => Some(r),
             () = self.stop.cancelled() => None,
             expiry = &mut watchdog => {
-                let kind = match expiry {
-                    Expiry::HeaderRead => "header_read",
-                    Expiry::KeepAlive => "keep_alive",
-                };
-                self.metrics.timeout(self.port, kind);
+                self.metrics.timeout(self.port, expiry.label());
                 if expiry == Expiry::HeaderRead {
                     // Nothing to answer (no whole request): close.
                     return;
@@ -627,9 +672,11 @@ impl http_body::Body for Tracked {
     }
 }
 
-/// The client socket, noting when bytes of a request head arrive.
+/// The client socket, noting when bytes of a request head arrive; first the bytes the fast
+/// path had read when it handed the connection over (already noted).
 struct Watched {
     tcp: TcpStream,
+    replay: Bytes,
     state: Arc<ConnState>,
 }
 
@@ -639,8 +686,13 @@ impl AsyncRead for Watched {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        let before = buf.filled().len();
         let this = &mut *self;
+        if !this.replay.is_empty() {
+            let n = this.replay.len().min(buf.remaining());
+            buf.put_slice(&this.replay.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
         let r = Pin::new(&mut this.tcp).poll_read(cx, buf);
         if let Poll::Ready(Ok(())) = &r {
             let got = &buf.filled()[before..];

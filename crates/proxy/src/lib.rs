@@ -94,6 +94,7 @@ mod body;
 mod conn;
 mod decide;
 mod forward;
+mod h1;
 mod pick;
 mod server;
 mod warming;
@@ -596,7 +597,10 @@ impl Shard {
         rt.block_on(async move {
             let t = &fleet.settings.timeouts;
             let upstream = Upstream::new(t.connect(), t.pool_idle());
-            let rules = conn::ConnRules::new(t, &fleet.settings.limits);
+            let rules = conn::ConnRules {
+                h1_fast_path: true,
+                ..conn::ConnRules::new(t, &fleet.settings.limits)
+            };
             let metrics = fleet.metrics.limits.clone();
             let app = server::Data::new(fleet, upstream);
             tokio::select! {

@@ -17,7 +17,6 @@ use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 use http::{Method, StatusCode};
-use hyper::body::Incoming;
 use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::time::Instant;
@@ -29,12 +28,13 @@ use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
 use crate::forward::{forward, Accounting, Forward};
+use crate::h1::ReqBody;
 use crate::metrics::RequestLabels;
 use crate::upstream::Upstream;
 use crate::warming;
 
-/// A request as hyper hands it over (its body read by [`read_body`], never boxed).
-type Request = http::Request<Incoming>;
+/// A request as either HTTP/1 path hands it over (its body read by [`read_body`], never boxed).
+type Request = http::Request<ReqBody>;
 
 /// What the data port's handlers share: the fleet, and the upstream client of the thread
 /// they run on.
@@ -53,7 +53,7 @@ impl Data {
 /// The data port's paths, matched here rather than by a router (see [`App`]): exact paths
 /// only, a path's other methods answered 405 with `Allow`, anything else passed through.
 impl App for Data {
-    fn call(&self, req: http::Request<Incoming>) -> impl Future<Output = Response> + Send + use<> {
+    fn call(&self, req: Request) -> impl Future<Output = Response> + Send + use<> {
         let data = self.clone();
         async move {
             let m = req.method();

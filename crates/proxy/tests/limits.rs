@@ -4,7 +4,10 @@
 //! requests complete, a replica at `max_in_flight_per_replica` is passed over (and a fleet
 //! of full ones queues, then sheds), a pool with no replica answering gets 503 + Retry-After,
 //! an HTTP/2 client that stops answering PINGs is disconnected, the admin port's token is
-//! enforced, and speculative entries follow the outcome of the request they were guessed for. Nothing sleeps to wait: tests wait on sockets
+//! enforced, and speculative entries follow the outcome of the request they were guessed for.
+//! The data port's own HTTP/1.1 path serves bodies in pieces, pipelined requests and bodies
+//! left unread, and hands a connection to hyper at its first request it does not serve, with
+//! the same answers. Nothing sleeps to wait: tests wait on sockets
 //! closing, responses arriving, or the router's state.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -147,7 +150,11 @@ async fn request_with(
         body.len()
     );
     s.write_all(req.as_bytes()).await.unwrap();
-    let mut buf = Vec::new();
+    read_response(s, &mut Vec::new()).await
+}
+
+/// Reads one response with a `content-length` body from `s`, bytes past it left in `buf`.
+async fn read_response(s: &mut TcpStream, buf: &mut Vec<u8>) -> (u16, String, String) {
     let mut chunk = [0u8; 8192];
     loop {
         if let Some(h) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
@@ -159,6 +166,7 @@ async fn request_with(
             if buf.len() >= h + 4 + len {
                 let status = head[9..12].parse().unwrap();
                 let body = String::from_utf8_lossy(&buf[h + 4..h + 4 + len]).into_owned();
+                buf.drain(..h + 4 + len);
                 return (status, head, body);
             }
         }
@@ -202,6 +210,89 @@ async fn closed_by_router(mut s: TcpStream) {
         Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
         other => panic!("expected the connection closed, got {other:?}"),
     }
+}
+
+/// The names of a response head's header lines, sorted, without the status line and `date`'s
+/// value: what the fast path and hyper must agree on.
+fn header_names(head: &str) -> Vec<String> {
+    let mut names: Vec<String> = head
+        .lines()
+        .skip(1)
+        .filter_map(|l| l.split_once(':').map(|(n, _)| n.to_string()))
+        .collect();
+    names.sort();
+    names
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_connection_carries_split_pipelined_unread_and_handed_over_requests() {
+    let ok = replica(200, open()).await;
+    let proxy = Proxy::start(config(&[ok], "least-load")).await.unwrap();
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let body = r#"{"model":"tiny","prompt":"hello there"}"#;
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    let mut buf = Vec::new();
+
+    // A head first, its body after.
+    s.write_all(head.as_bytes()).await.unwrap();
+    s.write_all(&body.as_bytes()[..7]).await.unwrap();
+    tokio::task::yield_now().await;
+    s.write_all(&body.as_bytes()[7..]).await.unwrap();
+    let (status, lean_head, text) = read_response(&mut s, &mut buf).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(lean_head.contains("\r\ndate: "), "{lean_head}");
+
+    // Two requests in one write: two answers, in order.
+    let two = format!("{head}{body}{head}{body}");
+    s.write_all(two.as_bytes()).await.unwrap();
+    for _ in 0..2 {
+        let (status, _, text) = read_response(&mut s, &mut buf).await;
+        assert_eq!(status, 200, "{text}");
+    }
+
+    // A body the handler never reads (405) is drained; the connection goes on.
+    let (status, lean_405, _) =
+        request_with(&mut s, "POST", "/v1/models", "abcde", false, "").await;
+    assert_eq!(status, 405, "{lean_405}");
+    s.write_all(format!("{head}{body}").as_bytes())
+        .await
+        .unwrap();
+    let (status, _, text) = read_response(&mut s, &mut buf).await;
+    assert_eq!(status, 200, "{text}");
+
+    // A chunked body is not this path's: hyper takes the connection and answers it, then
+    // serves the plain requests after it, with the same header lines as the fast path.
+    let chunked = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{body}\r\n0\r\n\r\n",
+        body.len()
+    );
+    s.write_all(chunked.as_bytes()).await.unwrap();
+    let (status, _, text) = read_response(&mut s, &mut buf).await;
+    assert_eq!(status, 200, "{text}");
+    s.write_all(format!("{head}{body}").as_bytes())
+        .await
+        .unwrap();
+    let (status, hyper_head, text) = read_response(&mut s, &mut buf).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(header_names(&lean_head), header_names(&hyper_head));
+    let (status, hyper_405, _) =
+        request_with(&mut s, "POST", "/v1/models", "abcde", false, "").await;
+    assert_eq!(status, 405);
+    assert_eq!(header_names(&lean_405), header_names(&hyper_405));
+
+    // HTTP/1.0 is hyper's from the first request.
+    let mut s10 = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let req10 = format!(
+        "POST /v1/completions HTTP/1.0\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    s10.write_all(req10.as_bytes()).await.unwrap();
+    let (status, _, text) = read_response(&mut s10, &mut Vec::new()).await;
+    assert_eq!(status, 200, "{text}");
+    assert!(buf.is_empty(), "{buf:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
