@@ -236,7 +236,8 @@ where
             return Ended::Closed;
         };
         let (parts, body) = resp.into_parts();
-        let kept = write_response(&socket, &mut buf, &mut out, parts, body).await;
+        let close = close || stop.is_cancelled();
+        let kept = write_response(&socket, &mut buf, &mut out, parts, body, close).await;
         drop(active);
         if !kept || close || stop.is_cancelled() || !drain(&socket, &mut buf).await {
             return Ended::Closed;
@@ -434,6 +435,25 @@ fn head_parts(head: &Head, buf: &BytesMut) -> Option<(http::request::Parts, bool
     Some((parts, head.close))
 }
 
+/// What the fuzz target and the property test check of any bytes: parsing them never panics,
+/// a complete head lies inside them, and its parts either build (with its method) or send the
+/// connection to hyper. Whether the head was complete.
+pub fn check_head(bytes: &[u8]) -> bool {
+    let Parsed::Complete(h) = parse(bytes) else {
+        return false;
+    };
+    let inside = |(a, b): (usize, usize)| a <= b && b <= h.len;
+    assert!(h.len <= bytes.len(), "a head longer than its input");
+    assert!(
+        inside(h.target) && h.headers.iter().all(|&(n, v)| inside(n) && inside(v)),
+        "a part of the head outside it"
+    );
+    if let Some((parts, _)) = head_parts(&h, &BytesMut::from(bytes)) {
+        assert_eq!(parts.method, h.method);
+    }
+    true
+}
+
 /// The request of `head`, taken off the front of `buf` with what came of its body.
 fn request(
     head: &Head,
@@ -453,13 +473,15 @@ fn request(
     Request::from_parts(parts, ReqBody::Lean(body))
 }
 
-/// Writes a response; whether the connection can carry another request.
+/// Writes a response (saying `connection: close` when `closing`, as hyper does); whether the
+/// connection can carry another request.
 async fn write_response(
     socket: &Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     parts: http::response::Parts,
     body: axum::body::Body,
+    closing: bool,
 ) -> bool {
     let no_body = parts.status == StatusCode::NO_CONTENT
         || parts.status == StatusCode::NOT_MODIFIED
@@ -475,6 +497,7 @@ async fn write_response(
         declared.or(body.size_hint().exact())
     };
     let mut close = false;
+    let mut has_connection = false;
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
     out.extend_from_slice(parts.status.as_str().as_bytes());
@@ -494,6 +517,7 @@ async fn write_response(
         }
         if name == header::CONNECTION {
             close |= value.as_bytes().eq_ignore_ascii_case(b"close");
+            has_connection = true;
         }
         dated |= name == header::DATE;
         out.extend_from_slice(name.as_str().as_bytes());
@@ -509,6 +533,9 @@ async fn write_response(
         }
         Some(_) => {}
         None => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+    }
+    if closing && !has_connection {
+        out.extend_from_slice(b"connection: close\r\n");
     }
     if !dated {
         out.extend_from_slice(b"date: ");
@@ -727,9 +754,8 @@ mod tests {
         ));
     }
 
-    /// Seeded random heads (valid ones with bytes changed, cut or repeated, and plain noise):
-    /// parsing never panics, a complete head lies inside the input, and its parts either
-    /// build or send the connection to hyper.
+    /// [`check_head`] over seeded random heads: valid ones with bytes changed, cut or
+    /// repeated, and plain noise.
     #[test]
     fn random_heads_never_panic_and_stay_in_bounds() {
         let mut next = kinference_testkit::xorshift(17);
@@ -757,17 +783,7 @@ mod tests {
                         .collect();
                 }
             }
-            let Parsed::Complete(h) = parse(&b) else {
-                continue;
-            };
-            complete += 1;
-            assert!(h.len <= b.len());
-            assert!(
-                h.target.1 <= h.len && h.headers.iter().all(|&(n, v)| n.1 <= h.len && v.1 <= h.len)
-            );
-            if let Some((parts, _)) = head_parts(&h, &BytesMut::from(&b[..])) {
-                assert_eq!(parts.method, h.method);
-            }
+            complete += usize::from(check_head(&b));
         }
         assert!(
             complete > 10_000,

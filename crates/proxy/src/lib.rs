@@ -99,6 +99,12 @@ mod pick;
 mod server;
 mod warming;
 
+/// For the fuzz target of the data port's HTTP/1.1 head parser (`fuzz/fuzz_targets/http1_head.rs`).
+#[doc(hidden)]
+pub mod fuzzing {
+    pub use crate::h1::check_head as http1_head;
+}
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;

@@ -283,6 +283,17 @@ async fn one_connection_carries_split_pipelined_unread_and_handed_over_requests(
     assert_eq!(status, 405);
     assert_eq!(header_names(&lean_405), header_names(&hyper_405));
 
+    // Asked to close: both paths say so, then close.
+    let (status, hyper_close, _) = request_with(&mut s, "POST", "/v1/models", "", true, "").await;
+    assert_eq!(status, 405);
+    closed_by_router(s).await;
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let (status, lean_close, _) = request_with(&mut s, "POST", "/v1/models", "", true, "").await;
+    assert_eq!(status, 405);
+    assert!(lean_close.contains("\r\nconnection: close"), "{lean_close}");
+    assert_eq!(header_names(&lean_close), header_names(&hyper_close));
+    closed_by_router(s).await;
+
     // HTTP/1.0 is hyper's from the first request.
     let mut s10 = TcpStream::connect(proxy.data_addr()).await.unwrap();
     let req10 = format!(
