@@ -20,6 +20,8 @@
 #   same one so that only the router differs.
 # env: N1=20 N2=220 TOKENIZER=../shared/data/tokenizers/llama3.1 RESULTS=target/router-instructions
 #      WORKLOAD=dev (or chat) CHAT_CONVERSATIONS=60
+#      KEEP_ALIVE=1: every request on one kept-alive connection (default: a new connection
+#      per request, so the figure includes what accepting and closing a connection costs)
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -76,7 +78,19 @@ count() {
   python3 - "http://$data" "$n" "$CHAT_BODIES" <<'PYEOF'
 import json, sys, urllib.request
 url, n, chat = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+import http.client, os, urllib.parse
+u = urllib.parse.urlparse(url)
+conn = http.client.HTTPConnection(u.hostname, u.port, timeout=600)
 def send(path, body, i):
+    if os.environ.get("KEEP_ALIVE") == "1":
+        # One kept-alive connection for every request.
+        conn.request("POST", path, body.encode(), {"content-type": "application/json"})
+        r = conn.getresponse()
+        r.read()
+        if r.status != 200:
+            sys.exit(f"request {i}: HTTP {r.status}")
+        return
+    # A new connection per request (urllib asks to close after each).
     req = urllib.request.Request(url + path, body.encode(), {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         r.read()

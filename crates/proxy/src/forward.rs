@@ -464,7 +464,7 @@ impl http_body::Body for UpstreamBody {
                 this.idle_deadline = Instant::now() + this.idle_after;
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => this.fail("stream", error_chain(&e)),
+            Poll::Ready(Some(Err(e))) => this.fail("stream", error_chain(&*e)),
             Poll::Ready(None) => {
                 this.finish();
                 Poll::Ready(None)

@@ -1,7 +1,11 @@
 //! Upstream HTTP/1.1 connections driven by the request that uses them: a per-thread pool of
 //! idle connections, each taken by one request at a time and polled from that request's own
 //! task (while waiting for the response head, then from the response body handed to the
-//! client), instead of by a connection task of its own.
+//! client), instead of by a connection task of its own. The HTTP/1.1 exchange is written
+//! here: the request's head and body in one write, the response head parsed with `httparse`
+//! (the parser hyper uses), its body read by `Content-Length`, chunked framing, or to the
+//! close, straight from the socket into the frames handed to the client, with no channel or
+//! dispatcher in between (BENCHMARKS.md, "the data port's HTTP/1.1 fast path").
 //!
 //! Why: with a connection task, every response chunk passed between two tasks (the connection
 //! task decodes a chunk and waits until the body's reader takes it), so each chunk went to the
@@ -24,29 +28,37 @@
 //! stream, which vLLM sees as a disconnect.
 
 use std::collections::HashMap;
-use std::future::{poll_fn, Future};
+use std::future::poll_fn;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderName, HeaderValue};
 use http::uri::Authority;
-use http::{Request, Response};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Version};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::client::conn::{http1, http2};
+use hyper::client::conn::http2;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
-type Conn = http1::Connection<TokioIo<TcpStream>, Full<Bytes>>;
+/// Response heads larger than this are refused.
+const MAX_HEAD: usize = 64 * 1024;
+/// Header lines of one response head at most.
+const MAX_HEADERS: usize = 100;
+/// What is read from a replica at once.
+const READ_CHUNK: usize = 16 * 1024;
+/// A chunk-size line (with its extensions) longer than this is refused.
+const MAX_SIZE_LINE: usize = 4096;
 
-/// One upstream connection: the request handle and the connection state machine.
+/// One upstream HTTP/1.1 connection and the bytes read from it past the last response.
 struct Link {
-    sender: http1::SendRequest<Full<Bytes>>,
-    conn: Conn,
+    tcp: TcpStream,
+    buf: BytesMut,
     idle_since: Instant,
 }
 
@@ -61,6 +73,12 @@ pub(crate) enum LinkError {
     Http(#[from] hyper::Error),
     #[error("the connection closed before the response")]
     Closed,
+    /// Reading or writing the connection failed after the request may have been sent.
+    #[error("upstream connection: {0}")]
+    Io(#[from] std::io::Error),
+    /// The replica's response is not HTTP/1.1 this client reads.
+    #[error("malformed response from the replica: {0}")]
+    Malformed(&'static str),
 }
 
 impl LinkError {
@@ -105,20 +123,30 @@ impl Links {
     pub async fn send(
         &self,
         authority: &Authority,
-        mut req: Request<Full<Bytes>>,
+        req: Request<Full<Bytes>>,
     ) -> Result<Response<LinkBody>, LinkError> {
-        if let Some(pq) = req.uri().path_and_query().cloned() {
-            *req.uri_mut() = http::Uri::from(pq);
-        }
-        // A connection just polled and ready cannot be cancelled before the request is
+        // A connection just checked and idle cannot be cancelled before the request is
         // written (nothing else runs on it in between), so a failure from here on may have
         // reached the replica and is not retried.
         let mut link = match self.checkout(authority).await {
             Some(link) => link,
             None => self.connect(authority).await?,
         };
-        let resp = exchange(&mut link, req).await?;
-        Ok(self.body(resp, link, authority))
+        let head_only = req.method() == Method::HEAD;
+        write_request(&link.tcp, authority, req).await?;
+        let (resp, framing, reusable) = read_head(&mut link, head_only).await?;
+        let mut body = H1Body {
+            link: Some(link),
+            framing,
+            reusable,
+            home: Some((self.clone(), authority.clone())),
+        };
+        // A body with nothing to read is at its end now: the connection goes back at once.
+        if body.framing == Framing::Length(0) {
+            body.framing = Framing::Done;
+            body.release();
+        }
+        Ok(resp.map(|()| LinkBody(Kind::H1(body))))
     }
 
     /// Sends `req` to `authority` over HTTP/2 (prior knowledge) on the replica's shared
@@ -144,11 +172,7 @@ impl Links {
             }
         }
         let resp = sender.send_request(req).await?;
-        Ok(resp.map(|inner| LinkBody {
-            inner,
-            link: None,
-            home: None,
-        }))
+        Ok(resp.map(|inner| LinkBody(Kind::H2(inner))))
     }
 
     /// The replica's open HTTP/2 connection, or a new one (its task spawned here).
@@ -191,31 +215,23 @@ impl Links {
         }
     }
 
-    fn body(
-        &self,
-        resp: Response<Incoming>,
-        link: Link,
-        authority: &Authority,
-    ) -> Response<LinkBody> {
-        resp.map(|inner| LinkBody {
-            inner,
-            link: Some(link),
-            home: Some((self.clone(), authority.clone())),
-        })
-    }
-
     /// An idle connection that can take a request now, if there is one.
     async fn checkout(&self, authority: &Authority) -> Option<Link> {
         loop {
-            let mut link = self.idle.lock().get_mut(authority)?.pop()?;
+            let link = self.idle.lock().get_mut(authority)?.pop()?;
             if link.idle_since.elapsed() > self.idle_timeout {
                 continue;
             }
+            // Idle and readable means the replica closed it (or sent what it should not).
             let usable = poll_fn(|cx| {
-                if Pin::new(&mut link.conn).poll(cx).is_ready() {
-                    return Poll::Ready(false);
-                }
-                Poll::Ready(matches!(link.sender.poll_ready(cx), Poll::Ready(Ok(()))))
+                Poll::Ready(match link.tcp.poll_read_ready(cx) {
+                    Poll::Pending => true,
+                    Poll::Ready(Err(_)) => false,
+                    Poll::Ready(Ok(())) => matches!(
+                        link.tcp.try_read(&mut [0u8; 1]),
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock
+                    ),
+                })
             })
             .await;
             if usable {
@@ -236,17 +252,9 @@ impl Links {
     }
 
     async fn connect(&self, authority: &Authority) -> Result<Link, LinkError> {
-        let err = |detail: String| LinkError::Connect {
-            authority: authority.to_string(),
-            detail,
-        };
-        let tcp = self.dial(authority).await?;
-        let (sender, conn) = http1::handshake(TokioIo::new(tcp))
-            .await
-            .map_err(|e| err(e.to_string()))?;
         Ok(Link {
-            sender,
-            conn,
+            tcp: self.dial(authority).await?,
+            buf: BytesMut::with_capacity(READ_CHUNK),
             idle_since: Instant::now(),
         })
     }
@@ -277,41 +285,269 @@ impl Links {
     }
 }
 
-/// Writes `req` and reads the response head, polling the connection from this task.
-async fn exchange(
-    link: &mut Link,
+/// Writes `req` in origin form: its head (its own headers, `Host` added if it has none,
+/// `Content-Length` from the body) and body together.
+async fn write_request(
+    tcp: &TcpStream,
+    authority: &Authority,
     req: Request<Full<Bytes>>,
-) -> Result<Response<Incoming>, LinkError> {
-    let mut response = std::pin::pin!(link.sender.send_request(req));
-    let conn = &mut link.conn;
-    let mut conn_result: Option<Result<(), hyper::Error>> = None;
-    poll_fn(|cx| {
-        if let Poll::Ready(r) = response.as_mut().poll(cx) {
-            return Poll::Ready(r.map_err(LinkError::from));
+) -> Result<(), LinkError> {
+    let (parts, mut body) = req.into_parts();
+    // A `Full` body is one frame (none when empty), there at once.
+    let body = match poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+        Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
+        _ => Bytes::new(),
+    };
+    let mut head = Vec::with_capacity(256 + body.len().min(64 * 1024));
+    head.extend_from_slice(parts.method.as_str().as_bytes());
+    head.push(b' ');
+    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    head.extend_from_slice(pq.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\n");
+    if !parts.headers.contains_key(header::HOST) {
+        head.extend_from_slice(b"host: ");
+        head.extend_from_slice(authority.as_str().as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
+            continue;
         }
-        if conn_result.is_none() {
-            if let Poll::Ready(r) = Pin::new(&mut *conn).poll(cx) {
-                conn_result = Some(r);
-                // The connection ended: the response future now holds the outcome.
-                if let Poll::Ready(r) = response.as_mut().poll(cx) {
-                    return Poll::Ready(r.map_err(LinkError::from));
+        head.extend_from_slice(name.as_str().as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value.as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    let bodiless = matches!(
+        parts.method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE
+    );
+    if !body.is_empty() || !bodiless {
+        head.extend_from_slice(b"content-length: ");
+        head.extend_from_slice(body.len().to_string().as_bytes());
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    // Small bodies go in the same buffer (one write, one segment); large ones after it.
+    if body.len() <= 64 * 1024 {
+        head.extend_from_slice(&body);
+        write_all(tcp, &head).await?;
+    } else {
+        write_all(tcp, &head).await?;
+        write_all(tcp, &body).await?;
+    }
+    Ok(())
+}
+
+async fn write_all(tcp: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        match tcp.try_write(bytes) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => tcp.writable().await?,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Reads more of the connection into its buffer: the bytes read (0 at the end).
+fn poll_read(link: &mut Link, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+    loop {
+        if let Err(e) = std::task::ready!(link.tcp.poll_read_ready(cx)) {
+            return Poll::Ready(Err(e));
+        }
+        if link.buf.capacity() - link.buf.len() < 4096 {
+            link.buf.reserve(READ_CHUNK);
+        }
+        match link.tcp.try_read_buf(&mut link.buf) {
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            r => return Poll::Ready(r),
+        }
+    }
+}
+
+/// How a response body ends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Framing {
+    /// This many bytes are left.
+    Length(u64),
+    Chunked(Chunk),
+    /// The body runs to the connection's end.
+    UntilClose,
+    Done,
+}
+
+/// Where a chunked body's decoder is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Chunk {
+    /// Before a chunk-size line.
+    Size,
+    /// This many bytes of a chunk's data are left.
+    Data(u64),
+    /// The CRLF after a chunk's data.
+    DataEnd,
+    /// Trailer lines, until an empty one.
+    Trailers,
+}
+
+/// Reads the response head (skipping interim 1xx heads): the response without its body, how
+/// its body is framed, and whether the connection can carry another request after it.
+async fn read_head(
+    link: &mut Link,
+    head_only: bool,
+) -> Result<(Response<()>, Framing, bool), LinkError> {
+    loop {
+        if !link.buf.is_empty() {
+            match parse_head(&link.buf, head_only)? {
+                Some(Parsed::Interim(n)) => {
+                    link.buf.advance(n);
+                    continue;
                 }
-                return Poll::Ready(Err(match conn_result.take() {
-                    Some(Err(e)) => LinkError::Http(e),
-                    _ => LinkError::Closed,
-                }));
+                Some(Parsed::Final(n, head)) => {
+                    let bytes = link.buf.split_to(n).freeze();
+                    return Ok(head.build(&bytes));
+                }
+                None if link.buf.len() > MAX_HEAD => {
+                    return Err(LinkError::Malformed("a response head over 64 KiB"))
+                }
+                None => {}
             }
         }
-        Poll::Pending
-    })
-    .await
+        if poll_fn(|cx| poll_read(link, cx)).await? == 0 {
+            return Err(LinkError::Closed);
+        }
+    }
+}
+
+enum Parsed {
+    /// A 1xx head of this many bytes, to skip.
+    Interim(usize),
+    /// The final head, of this many bytes.
+    Final(usize, Head),
+}
+
+/// A response head's parts, as positions in its bytes.
+struct Head {
+    status: StatusCode,
+    headers: Vec<((usize, usize), (usize, usize))>,
+    framing: Framing,
+    reusable: bool,
+}
+
+impl Head {
+    fn build(self, bytes: &Bytes) -> (Response<()>, Framing, bool) {
+        let mut map = HeaderMap::with_capacity(self.headers.len());
+        for ((n0, n1), (v0, v1)) in self.headers {
+            let name = bytes.get(n0..n1).map(HeaderName::from_bytes);
+            if let (Some(Ok(name)), Ok(value)) = (
+                name,
+                HeaderValue::from_maybe_shared(bytes.slice(v0..v1.max(v0))),
+            ) {
+                map.append(name, value);
+            }
+        }
+        let mut resp = Response::new(());
+        *resp.status_mut() = self.status;
+        *resp.version_mut() = Version::HTTP_11;
+        *resp.headers_mut() = map;
+        (resp, self.framing, self.reusable)
+    }
+}
+
+/// The head at the front of `buf`, if it is all there.
+fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<Parsed>, LinkError> {
+    let mut slots = [httparse::EMPTY_HEADER; MAX_HEADERS];
+    let mut resp = httparse::Response::new(&mut slots);
+    let n = match resp.parse(buf) {
+        Ok(httparse::Status::Complete(n)) => n,
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(_) => return Err(LinkError::Malformed("not an HTTP/1.1 response head")),
+    };
+    let code = resp.code.unwrap_or(0);
+    let status =
+        StatusCode::from_u16(code).map_err(|_| LinkError::Malformed("an invalid status code"))?;
+    if status.is_informational() && code != 101 {
+        return Ok(Some(Parsed::Interim(n)));
+    }
+    let at = |s: &[u8]| {
+        let start = s.as_ptr() as usize - buf.as_ptr() as usize;
+        (start, start + s.len())
+    };
+    let mut length: Option<u64> = None;
+    let mut chunked = false;
+    let mut encoded = false;
+    let mut reusable = resp.version == Some(1);
+    let mut headers = Vec::with_capacity(resp.headers.len());
+    for h in resp.headers.iter() {
+        let name = h.name.as_bytes();
+        if name.eq_ignore_ascii_case(b"content-length") {
+            let n = std::str::from_utf8(h.value)
+                .ok()
+                .map(str::trim)
+                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or(LinkError::Malformed("an invalid Content-Length"))?;
+            if length.is_some_and(|m| m != n) {
+                return Err(LinkError::Malformed("two different Content-Lengths"));
+            }
+            length = Some(n);
+        } else if name.eq_ignore_ascii_case(b"transfer-encoding") {
+            encoded = true;
+            // Chunked only if it is the last coding.
+            chunked = h
+                .value
+                .rsplit(|&b| b == b',')
+                .next()
+                .is_some_and(|last| last.trim_ascii().eq_ignore_ascii_case(b"chunked"));
+        } else if name.eq_ignore_ascii_case(b"connection")
+            && h.value
+                .split(|&b| b == b',')
+                .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"))
+        {
+            reusable = false;
+        }
+        headers.push((at(name), at(h.value)));
+    }
+    let framing = if head_only || code == 204 || code == 304 {
+        Framing::Length(0)
+    } else if encoded {
+        if chunked {
+            Framing::Chunked(Chunk::Size)
+        } else {
+            Framing::UntilClose
+        }
+    } else {
+        length.map_or(Framing::UntilClose, Framing::Length)
+    };
+    if framing == Framing::UntilClose || code == 101 {
+        reusable = false;
+    }
+    Ok(Some(Parsed::Final(
+        n,
+        Head {
+            status,
+            headers,
+            framing,
+            reusable,
+        },
+    )))
 }
 
 /// A response body that drives its connection, and gives it back to the pool when the body
 /// was read to the end.
-pub(crate) struct LinkBody {
-    inner: Incoming,
+pub(crate) struct LinkBody(Kind);
+
+enum Kind {
+    H1(H1Body),
+    H2(Incoming),
+}
+
+struct H1Body {
+    /// `None` once the body ended or failed (the connection went back to the pool or closed).
     link: Option<Link>,
+    framing: Framing,
+    reusable: bool,
     home: Option<(Links, Authority)>,
 }
 
@@ -321,55 +557,204 @@ impl std::fmt::Debug for LinkBody {
     }
 }
 
-impl LinkBody {
-    fn release(&mut self, cx: &mut Context<'_>) {
-        let Some(mut link) = self.link.take() else {
+impl H1Body {
+    /// The body ended: the connection goes back to the pool if it can carry another request
+    /// and nothing was read past this response.
+    fn release(&mut self) {
+        let Some(link) = self.link.take() else {
             return;
         };
-        // One more poll lets the connection see the message end and get ready for the next.
-        if Pin::new(&mut link.conn).poll(cx).is_ready() {
+        if !self.reusable || !link.buf.is_empty() {
             return;
         }
         if let Some((links, authority)) = self.home.take() {
             links.checkin(link, authority);
         }
     }
+
+    fn fail(&mut self, detail: &'static str) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.link = None;
+        self.framing = Framing::Done;
+        Poll::Ready(Some(Err(detail.into())))
+    }
+
+    fn poll_frame(&mut self, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        loop {
+            let Some(link) = self.link.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match self.framing {
+                Framing::Done | Framing::Length(0) => {
+                    self.framing = Framing::Done;
+                    self.release();
+                    return Poll::Ready(None);
+                }
+                Framing::Length(left) => {
+                    if !link.buf.is_empty() {
+                        let n = (link.buf.len() as u64).min(left);
+                        let data = link.buf.split_to(n as usize).freeze();
+                        self.framing = Framing::Length(left - n);
+                        if left == n {
+                            self.framing = Framing::Done;
+                            self.release();
+                        }
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                }
+                Framing::UntilClose => {
+                    if !link.buf.is_empty() {
+                        let data = link.buf.split().freeze();
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
+                    }
+                }
+                Framing::Chunked(state) => match decode_chunk(&mut link.buf, state) {
+                    Ok(Some((next, data))) => {
+                        self.framing = next;
+                        if let Some(data) = data {
+                            if next == Framing::Done {
+                                self.release();
+                            }
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                        continue;
+                    }
+                    Ok(None) => {}
+                    Err(detail) => return self.fail(detail),
+                },
+            }
+            // More bytes are needed.
+            match std::task::ready!(poll_read(link, cx)) {
+                Ok(0) if self.framing == Framing::UntilClose => {
+                    self.framing = Framing::Done;
+                    self.link = None;
+                    return Poll::Ready(None);
+                }
+                Ok(0) => return self.fail("the replica closed the connection mid-body"),
+                Ok(_) => {}
+                Err(e) => {
+                    self.link = None;
+                    self.framing = Framing::Done;
+                    return Poll::Ready(Some(Err(e.into())));
+                }
+            }
+        }
+    }
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// One step of a chunked body's decoder over what `buf` holds: the next state and a chunk's
+/// data if some is there, or `None` when more bytes are needed first.
+#[allow(clippy::type_complexity)]
+fn decode_chunk(
+    buf: &mut BytesMut,
+    state: Chunk,
+) -> Result<Option<(Framing, Option<Bytes>)>, &'static str> {
+    let line_end = |buf: &BytesMut, limit: usize| match memchr::memchr(b'\n', buf) {
+        Some(i) => Ok(Some(i)),
+        None if buf.len() > limit => Err("a chunk-size or trailer line too long"),
+        None => Ok(None),
+    };
+    let chunked = |c: Chunk, data: Option<Bytes>| Ok(Some((Framing::Chunked(c), data)));
+    match state {
+        Chunk::Size => {
+            let Some(i) = line_end(buf, MAX_SIZE_LINE)? else {
+                return Ok(None);
+            };
+            let line = buf.split_to(i + 1);
+            let digits = line[..]
+                .split(|&b| b == b';' || b == b'\r' || b == b'\n')
+                .next()
+                .unwrap_or_default()
+                .trim_ascii();
+            if digits.is_empty() || digits.len() > 15 {
+                return Err("an invalid chunk size");
+            }
+            let mut size = 0u64;
+            for &d in digits {
+                let v = (d as char).to_digit(16).ok_or("an invalid chunk size")?;
+                size = size * 16 + u64::from(v);
+            }
+            if size == 0 {
+                chunked(Chunk::Trailers, None)
+            } else {
+                chunked(Chunk::Data(size), None)
+            }
+        }
+        Chunk::Data(left) => {
+            if buf.is_empty() {
+                return Ok(None);
+            }
+            let n = (buf.len() as u64).min(left);
+            let data = buf.split_to(n as usize).freeze();
+            if n == left {
+                chunked(Chunk::DataEnd, Some(data))
+            } else {
+                chunked(Chunk::Data(left - n), Some(data))
+            }
+        }
+        Chunk::DataEnd => match (buf.first(), buf.get(1)) {
+            (None, _) | (Some(b'\r'), None) => Ok(None),
+            (Some(b'\n'), _) => {
+                buf.advance(1);
+                chunked(Chunk::Size, None)
+            }
+            (Some(b'\r'), Some(b'\n')) => {
+                buf.advance(2);
+                chunked(Chunk::Size, None)
+            }
+            _ => Err("no line end after a chunk's data"),
+        },
+        Chunk::Trailers => {
+            let Some(i) = line_end(buf, MAX_HEAD)? else {
+                return Ok(None);
+            };
+            let line = buf.split_to(i + 1);
+            if line.trim_ascii().is_empty() {
+                Ok(Some((Framing::Done, None)))
+            } else {
+                chunked(Chunk::Trailers, None)
+            }
+        }
+    }
 }
 
 impl Body for LinkBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.get_mut();
-        if let Some(link) = this.link.as_mut() {
-            if let Poll::Ready(r) = Pin::new(&mut link.conn).poll(cx) {
-                // Closed or failed: the body sees the end or the error itself.
-                this.link = None;
-                if let Err(e) = r {
-                    tracing::debug!(error = %e, "upstream connection ended");
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        match &mut self.get_mut().0 {
+            Kind::H1(b) => {
+                let polled = b.poll_frame(cx);
+                if b.framing == Framing::Done {
+                    b.release();
                 }
+                polled
             }
+            Kind::H2(b) => Pin::new(b).poll_frame(cx).map_err(Into::into),
         }
-        let polled = Pin::new(&mut this.inner).poll_frame(cx);
-        match &polled {
-            Poll::Ready(None) => this.release(cx),
-            Poll::Ready(Some(Ok(_))) if this.inner.is_end_stream() => this.release(cx),
-            Poll::Ready(Some(Err(_))) => this.link = None,
-            _ => {}
-        }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        match &self.0 {
+            Kind::H1(b) => b.framing == Framing::Done,
+            Kind::H2(b) => b.is_end_stream(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.0 {
+            Kind::H1(b) => match b.framing {
+                Framing::Length(n) => SizeHint::with_exact(n),
+                Framing::Done => SizeHint::with_exact(0),
+                _ => SizeHint::default(),
+            },
+            Kind::H2(b) => b.size_hint(),
+        }
     }
 }
 
@@ -540,6 +925,150 @@ mod tests {
         drop(resp);
         assert_eq!(read_all(&links, &authority).await, "a longer answer");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// Decodes a whole chunked body fed `step` bytes at a time: its data, or the error.
+    fn dechunk(wire: &[u8], step: usize) -> Result<Vec<u8>, &'static str> {
+        let (mut buf, mut state, mut data) = (BytesMut::new(), Chunk::Size, Vec::new());
+        let mut fed = 0;
+        loop {
+            match decode_chunk(&mut buf, state)? {
+                Some((Framing::Done, _)) => {
+                    assert!(buf.is_empty() && fed == wire.len(), "ended early at {fed}");
+                    return Ok(data);
+                }
+                Some((Framing::Chunked(next), d)) => {
+                    data.extend_from_slice(&d.unwrap_or_default());
+                    state = next;
+                }
+                Some(other) => panic!("{other:?}"),
+                None if fed == wire.len() => return Err("incomplete"),
+                None => {
+                    let to = (fed + step).min(wire.len());
+                    buf.extend_from_slice(&wire[fed..to]);
+                    fed = to;
+                }
+            }
+        }
+    }
+
+    /// Chunk sizes in either case, extensions, bare LF line ends, data that looks like a last
+    /// chunk, and trailers, fed whole or in any size of piece; and what is refused.
+    #[test]
+    fn chunked_bodies_decode_in_any_split() {
+        let wire: &[u8] =
+            b"5;x=1\r\nhello\r\n1A\r\nabcdefghijklmnopqrstuvwxyz\r\n5\n0\r\n\r\n\n0\r\nx-t: 1\r\n\r\n";
+        for step in [1, 2, 3, 7, 64, wire.len()] {
+            assert_eq!(
+                dechunk(wire, step).as_deref(),
+                Ok(&b"helloabcdefghijklmnopqrstuvwxyz0\r\n\r\n"[..]),
+                "{step}"
+            );
+        }
+        assert!(dechunk(b"z\r\n", 1).is_err());
+        assert!(dechunk(b"\r\n", 1).is_err());
+        assert!(dechunk(b"3\r\nabcX\r\n0\r\n\r\n", 1).is_err());
+        assert!(dechunk(b"ffffffffffffffff\r\n", 64).is_err());
+        assert_eq!(dechunk(b"3\r\nabc\r\n", 1), Err("incomplete"));
+    }
+
+    /// A replica that answers every request head on a connection with `answer`, written in
+    /// `pieces` writes; counts the connections it accepted.
+    async fn scripted(answer: &'static [u8], pieces: usize) -> (Authority, Arc<AtomicUsize>) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let count = accepted.clone();
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = l.accept().await {
+                count.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 1 << 16];
+                    let mut seen = Vec::new();
+                    loop {
+                        match sock.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            seen.drain(..end + 4);
+                            for piece in answer.chunks(answer.len().div_ceil(pieces)) {
+                                if sock.write_all(piece).await.is_err() {
+                                    return;
+                                }
+                                tokio::task::yield_now().await;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        (Authority::try_from(addr.to_string()).unwrap(), accepted)
+    }
+
+    /// Chunked answers (after an interim 100), bodies without a length, `Connection: close`
+    /// and `HEAD`: the data is what was sent, and a connection is reused exactly when the
+    /// answer allows it.
+    #[tokio::test]
+    async fn responses_are_framed_as_sent_and_connections_reused_only_when_allowed() {
+        let chunked: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n7;e=x\r\n: more\n\r\n0\r\nx-trailer: t\r\n\r\n";
+        for pieces in [1, 5, 40] {
+            let (authority, accepted) = scripted(chunked, pieces).await;
+            let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+            for _ in 0..3 {
+                assert_eq!(read_all(&links, &authority).await, "data: more\n");
+            }
+            assert_eq!(accepted.load(Ordering::SeqCst), 1, "{pieces} pieces");
+        }
+        let cases: [(&[u8], &str, usize); 3] = [
+            (b"HTTP/1.1 200 OK\r\n\r\nto the end", "to the end", 3),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: close\r\n\r\nok",
+                "ok",
+                3,
+            ),
+            (
+                b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nok",
+                "ok",
+                1,
+            ),
+        ];
+        for (answer, body, connections) in cases {
+            let (authority, accepted) = scripted(answer, 2).await;
+            let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+            for _ in 0..3 {
+                // Bodies read to the close need the replica to close: it does when the next
+                // request finds the connection gone, so each is read on its own connection.
+                let resp = links.send(&authority, get(&authority)).await.unwrap();
+                if body == "to the end" {
+                    let mut b = resp.into_body();
+                    let frame = b.frame().await.unwrap().unwrap().into_data().unwrap();
+                    assert_eq!(&frame[..], body.as_bytes());
+                    continue;
+                }
+                let got = resp.into_body().collect().await.unwrap().to_bytes();
+                assert_eq!(&got[..], body.as_bytes());
+            }
+            assert_eq!(accepted.load(Ordering::SeqCst), connections, "{body}");
+        }
+        // HEAD: a length but no body; the connection carries the next request.
+        let (authority, accepted) =
+            scripted(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", 1).await;
+        let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+        for _ in 0..2 {
+            let mut req = get(&authority);
+            *req.method_mut() = Method::HEAD;
+            let resp = links.send(&authority, req).await.unwrap();
+            assert_eq!(resp.headers()["content-length"], "9");
+            assert!(resp
+                .into_body()
+                .collect()
+                .await
+                .unwrap()
+                .to_bytes()
+                .is_empty());
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
