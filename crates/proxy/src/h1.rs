@@ -3,11 +3,11 @@
 //! few writes as its frames allow. Anything else on a connection is handed, with the bytes
 //! already read, to hyper's server for the rest of that connection's life.
 //!
-//! Why: hyper's server costs about what nginx's whole hop costs on this path (request body
-//! through a channel, a dispatcher polling the service, response head and body queued and
-//! written by a generic state machine); a forwarder that does only what these requests need
-//! measured about 1–4 µs less per request on small bodies and 5–7 µs on 2 kB chat bodies
-//! (BENCHMARKS.md, "the data port's HTTP/1.1 fast path").
+//! Why: hyper's server does more than these requests need (the request body through a
+//! channel, a dispatcher polling the service, a protocol sniffer and a larger state per
+//! connection); this path measured 3–4 % fewer router instructions per request on kept-alive
+//! connections and about half of what opening a connection costs (BENCHMARKS.md, "the data
+//! port's HTTP/1.1 fast path").
 //!
 //! What this path serves, and what it hands to hyper: a request is served here only if its
 //! head parses, is HTTP/1.1, `GET` or `POST`, has an origin-form target, at most one
@@ -41,12 +41,12 @@ use hyper::body::Incoming;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::sock::{self, READ_CHUNK};
+
 /// Heads larger than this are left to hyper (which answers 431 past its own limit).
 const MAX_HEAD: usize = 64 * 1024;
 /// Headers of one head parsed here; more: left to hyper (its limit is 100).
 const MAX_HEADERS: usize = 64;
-/// What is read at once from the client.
-const READ_CHUNK: usize = 16 * 1024;
 /// A body the handler left unread is read and dropped up to this much before the next
 /// request; beyond it the connection closes.
 const MAX_DRAIN: u64 = 256 * 1024;
@@ -271,16 +271,12 @@ async fn or_gone<T>(
             return Poll::Ready(Some(r));
         }
         if socket.left.load(Ordering::Relaxed) == 0 && buf.len() < MAX_HEAD {
-            while let Poll::Ready(r) = socket.tcp.poll_read_ready(cx) {
-                if r.is_err() {
-                    return Poll::Ready(None);
-                }
-                match try_read_more(&socket.tcp, buf) {
-                    Ok(0) => return Poll::Ready(None),
-                    Ok(_) if buf.len() >= MAX_HEAD => break,
-                    Ok(_) => {}
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-                    Err(_) => return Poll::Ready(None),
+            loop {
+                match sock::poll_read_buf(&socket.tcp, buf, cx) {
+                    Poll::Pending => break,
+                    Poll::Ready(Ok(0) | Err(_)) => return Poll::Ready(None),
+                    Poll::Ready(Ok(_)) if buf.len() >= MAX_HEAD => break,
+                    Poll::Ready(Ok(_)) => {}
                 }
             }
         }
@@ -290,20 +286,7 @@ async fn or_gone<T>(
 }
 
 async fn read_more(tcp: &TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
-    loop {
-        tcp.readable().await?;
-        match try_read_more(tcp, buf) {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            r => return r,
-        }
-    }
-}
-
-fn try_read_more(tcp: &TcpStream, buf: &mut BytesMut) -> std::io::Result<usize> {
-    if buf.capacity() - buf.len() < 4096 {
-        buf.reserve(READ_CHUNK);
-    }
-    tcp.try_read_buf(buf)
+    poll_fn(|cx| sock::poll_read_buf(tcp, buf, cx)).await
 }
 
 /// Reads and drops what the handler left of its body (up to [`MAX_DRAIN`]); whether the
@@ -544,7 +527,7 @@ async fn write_response(
     }
     out.extend_from_slice(b"\r\n");
     if no_body {
-        return write_all(&socket.tcp, out).await.is_ok() && !close;
+        return sock::write_all(&socket.tcp, out).await.is_ok() && !close;
     }
     let body_ok = match length {
         Some(n) => write_sized(socket, buf, out, body, n).await,
@@ -553,12 +536,21 @@ async fn write_response(
     body_ok && !close
 }
 
-/// The next frame if it is ready now (`Pending` otherwise), without waiting.
-fn frame_now(
+/// The body's next frame: at once if it is ready; otherwise `out` is written first, then the
+/// frame is waited for while watching for the client leaving. `None`: the write failed or the
+/// client left.
+async fn next_frame(
+    socket: &Socket,
+    buf: &mut BytesMut,
+    out: &mut Vec<u8>,
     body: &mut axum::body::Body,
-    cx: &mut Context<'_>,
-) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
-    Pin::new(body).poll_frame(cx)
+) -> Option<Option<Result<Frame<Bytes>, axum::Error>>> {
+    if let Poll::Ready(f) = poll_fn(|cx| Poll::Ready(Pin::new(&mut *body).poll_frame(cx))).await {
+        return Some(f);
+    }
+    sock::write_all(&socket.tcp, out).await.ok()?;
+    out.clear();
+    or_gone(socket, buf, |cx| Pin::new(&mut *body).poll_frame(cx)).await
 }
 
 /// Appends the body's frames to `out`, writing whenever the next one is not ready yet (and
@@ -573,18 +565,8 @@ async fn write_sized(
     let tcp = &socket.tcp;
     let mut sent = 0u64;
     loop {
-        let next = match poll_fn(|cx| Poll::Ready(frame_now(&mut body, cx))).await {
-            Poll::Ready(f) => f,
-            Poll::Pending => {
-                if write_all(tcp, out).await.is_err() {
-                    return false;
-                }
-                out.clear();
-                match or_gone(socket, buf, |cx| frame_now(&mut body, cx)).await {
-                    Some(f) => f,
-                    None => return false,
-                }
-            }
+        let Some(next) = next_frame(socket, buf, out, &mut body).await else {
+            return false;
         };
         match next {
             Some(Ok(frame)) => {
@@ -594,17 +576,17 @@ async fn write_sized(
                         // More than declared: what was declared goes out, then the connection ends.
                         let over = (sent - n) as usize;
                         out.extend_from_slice(&data[..data.len() - over]);
-                        let _ = write_all(tcp, out).await;
+                        let _ = sock::write_all(tcp, out).await;
                         return false;
                     }
                     out.extend_from_slice(&data);
                 }
             }
             Some(Err(_)) => {
-                let _ = write_all(tcp, out).await;
+                let _ = sock::write_all(tcp, out).await;
                 return false;
             }
-            None => return write_all(tcp, out).await.is_ok() && sent == n,
+            None => return sock::write_all(tcp, out).await.is_ok() && sent == n,
         }
     }
 }
@@ -618,18 +600,8 @@ async fn write_chunked(
 ) -> bool {
     let tcp = &socket.tcp;
     loop {
-        let next = match poll_fn(|cx| Poll::Ready(frame_now(&mut body, cx))).await {
-            Poll::Ready(f) => f,
-            Poll::Pending => {
-                if write_all(tcp, out).await.is_err() {
-                    return false;
-                }
-                out.clear();
-                match or_gone(socket, buf, |cx| frame_now(&mut body, cx)).await {
-                    Some(f) => f,
-                    None => return false,
-                }
-            }
+        let Some(next) = next_frame(socket, buf, out, &mut body).await else {
+            return false;
         };
         match next {
             Some(Ok(frame)) => {
@@ -645,27 +617,15 @@ async fn write_chunked(
             }
             // A broken stream: no last chunk, so the client sees it did not end.
             Some(Err(_)) => {
-                let _ = write_all(tcp, out).await;
+                let _ = sock::write_all(tcp, out).await;
                 return false;
             }
             None => {
                 out.extend_from_slice(b"0\r\n\r\n");
-                return write_all(tcp, out).await.is_ok();
+                return sock::write_all(tcp, out).await.is_ok();
             }
         }
     }
-}
-
-async fn write_all(tcp: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
-    while !bytes.is_empty() {
-        match tcp.try_write(bytes) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => tcp.writable().await?,
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {

@@ -80,6 +80,7 @@ mod usage;
 mod warm;
 // Talking to replicas:
 mod link;
+mod sock;
 mod upstream;
 // The live fleet and what keeps it current:
 mod dashboard;

@@ -46,12 +46,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
+use crate::sock::{self, READ_CHUNK};
+
 /// Response heads larger than this are refused.
 const MAX_HEAD: usize = 64 * 1024;
 /// Header lines of one response head at most.
 const MAX_HEADERS: usize = 100;
-/// What is read from a replica at once.
-const READ_CHUNK: usize = 16 * 1024;
 /// A chunk-size line (with its extensions) longer than this is refused.
 const MAX_SIZE_LINE: usize = 4096;
 
@@ -331,40 +331,17 @@ async fn write_request(
     // Small bodies go in the same buffer (one write, one segment); large ones after it.
     if body.len() <= 64 * 1024 {
         head.extend_from_slice(&body);
-        write_all(tcp, &head).await?;
+        sock::write_all(tcp, &head).await?;
     } else {
-        write_all(tcp, &head).await?;
-        write_all(tcp, &body).await?;
-    }
-    Ok(())
-}
-
-async fn write_all(tcp: &TcpStream, mut bytes: &[u8]) -> std::io::Result<()> {
-    while !bytes.is_empty() {
-        match tcp.try_write(bytes) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => bytes = bytes.get(n..).unwrap_or_default(),
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => tcp.writable().await?,
-            Err(e) => return Err(e),
-        }
+        sock::write_all(tcp, &head).await?;
+        sock::write_all(tcp, &body).await?;
     }
     Ok(())
 }
 
 /// Reads more of the connection into its buffer: the bytes read (0 at the end).
 fn poll_read(link: &mut Link, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
-    loop {
-        if let Err(e) = std::task::ready!(link.tcp.poll_read_ready(cx)) {
-            return Poll::Ready(Err(e));
-        }
-        if link.buf.capacity() - link.buf.len() < 4096 {
-            link.buf.reserve(READ_CHUNK);
-        }
-        match link.tcp.try_read_buf(&mut link.buf) {
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            r => return Poll::Ready(r),
-        }
-    }
+    sock::poll_read_buf(&link.tcp, &mut link.buf, cx)
 }
 
 /// How a response body ends.
@@ -771,42 +748,11 @@ mod tests {
     /// A replica that answers each request on a connection with `body` (keep-alive), or closes
     /// after the first answer when `close`; counts the connections it accepted.
     async fn replica(body: &'static str, close: bool) -> (Authority, Arc<AtomicUsize>) {
-        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = l.local_addr().unwrap();
-        let accepted = Arc::new(AtomicUsize::new(0));
-        let count = accepted.clone();
-        tokio::spawn(async move {
-            while let Ok((mut sock, _)) = l.accept().await {
-                count.fetch_add(1, Ordering::SeqCst);
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 1 << 16];
-                    let mut seen = Vec::new();
-                    loop {
-                        match sock.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => seen.extend_from_slice(&buf[..n]),
-                        }
-                        // One answer per complete request head (the test requests have no body).
-                        while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
-                            seen.drain(..end + 4);
-                            let head = format!(
-                                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n",
-                                body.len()
-                            );
-                            if sock.write_all(head.as_bytes()).await.is_err()
-                                || sock.write_all(body.as_bytes()).await.is_err()
-                            {
-                                return;
-                            }
-                            if close {
-                                return;
-                            }
-                        }
-                    }
-                });
-            }
-        });
-        (Authority::try_from(addr.to_string()).unwrap(), accepted)
+        let answer = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        scripted(answer.into_bytes(), 1, close).await
     }
 
     fn get(authority: &Authority) -> Request<Full<Bytes>> {
@@ -973,8 +919,14 @@ mod tests {
     }
 
     /// A replica that answers every request head on a connection with `answer`, written in
-    /// `pieces` writes; counts the connections it accepted.
-    async fn scripted(answer: &'static [u8], pieces: usize) -> (Authority, Arc<AtomicUsize>) {
+    /// `pieces` writes, and closes the connection after the first answer when `close` (the
+    /// test requests have no body); counts the connections it accepted.
+    async fn scripted(
+        answer: impl Into<Vec<u8>>,
+        pieces: usize,
+        close: bool,
+    ) -> (Authority, Arc<AtomicUsize>) {
+        let answer: Arc<[u8]> = answer.into().into();
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = l.local_addr().unwrap();
         let accepted = Arc::new(AtomicUsize::new(0));
@@ -982,6 +934,7 @@ mod tests {
         tokio::spawn(async move {
             while let Ok((mut sock, _)) = l.accept().await {
                 count.fetch_add(1, Ordering::SeqCst);
+                let answer = answer.clone();
                 tokio::spawn(async move {
                     let mut buf = vec![0u8; 1 << 16];
                     let mut seen = Vec::new();
@@ -992,11 +945,18 @@ mod tests {
                         }
                         while let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
                             seen.drain(..end + 4);
-                            for piece in answer.chunks(answer.len().div_ceil(pieces)) {
+                            for (i, piece) in
+                                answer.chunks(answer.len().div_ceil(pieces)).enumerate()
+                            {
+                                if i > 0 {
+                                    tokio::task::yield_now().await;
+                                }
                                 if sock.write_all(piece).await.is_err() {
                                     return;
                                 }
-                                tokio::task::yield_now().await;
+                            }
+                            if close {
+                                return;
                             }
                         }
                     }
@@ -1013,7 +973,7 @@ mod tests {
     async fn responses_are_framed_as_sent_and_connections_reused_only_when_allowed() {
         let chunked: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n4\r\ndata\r\n7;e=x\r\n: more\n\r\n0\r\nx-trailer: t\r\n\r\n";
         for pieces in [1, 5, 40] {
-            let (authority, accepted) = scripted(chunked, pieces).await;
+            let (authority, accepted) = scripted(chunked, pieces, false).await;
             let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
             for _ in 0..3 {
                 assert_eq!(read_all(&links, &authority).await, "data: more\n");
@@ -1034,7 +994,7 @@ mod tests {
             ),
         ];
         for (answer, body, connections) in cases {
-            let (authority, accepted) = scripted(answer, 2).await;
+            let (authority, accepted) = scripted(answer, 2, false).await;
             let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
             for _ in 0..3 {
                 // Bodies read to the close need the replica to close: it does when the next
@@ -1052,8 +1012,12 @@ mod tests {
             assert_eq!(accepted.load(Ordering::SeqCst), connections, "{body}");
         }
         // HEAD: a length but no body; the connection carries the next request.
-        let (authority, accepted) =
-            scripted(b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n", 1).await;
+        let (authority, accepted) = scripted(
+            &b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\n"[..],
+            1,
+            false,
+        )
+        .await;
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         for _ in 0..2 {
             let mut req = get(&authority);
