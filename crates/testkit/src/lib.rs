@@ -64,13 +64,33 @@ pub fn loopback(bound: &str) -> String {
     format!("tcp://127.0.0.1:{port}")
 }
 
-/// A loopback TCP port nobody listens on at the moment of the call. Racy by nature: only for
-/// code that needs a port number before it binds, or an address that refuses connections.
+/// A loopback TCP port nobody listens on at the moment of the call, for code that needs a port
+/// number before it binds, or an address that refuses connections.
+///
+/// The port is taken below the kernel's ephemeral range, which `bind(0)` and the source ports
+/// of outgoing connections come from: a ZMQ socket redialing a loopback port nobody listens on
+/// yet can otherwise be given that very port as its source and connect to itself, and
+/// another test's `bind(0)` can be handed it, both of which made a later bind fail with
+/// "address in use". Only an explicit bind of the same number can still take it.
 pub fn unused_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .unwrap_or_else(|e| panic!("cannot bind a loopback port: {e}"))
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    let (from, span) = (10_000u32, low.saturating_sub(10_000).max(1));
+    // Spread over the range by process and call, so concurrent test processes rarely try the
+    // same numbers.
+    let seed = std::process::id().wrapping_mul(2_654_435_761);
+    for _ in 0..span.min(4096) {
+        let n = NEXT.fetch_add(7919, Ordering::Relaxed);
+        let port = u16::try_from(from + seed.wrapping_add(n) % span).unwrap_or(0);
+        if port != 0 && std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free loopback port below the ephemeral range ({from}..{low})")
 }
 
 /// The value of one series on a Prometheus page, read with the workspace's parser: `series`
@@ -120,7 +140,23 @@ mod tests {
     fn bound_endpoints_become_dialable() {
         assert_eq!(loopback("tcp://0.0.0.0:5557"), "tcp://127.0.0.1:5557");
         assert_eq!(loopback("tcp://*:6000"), "tcp://127.0.0.1:6000");
-        assert_ne!(unused_port(), 0);
+    }
+
+    #[test]
+    fn unused_ports_are_free_and_outside_the_ephemeral_range() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|r| r.split_whitespace().next()?.parse().ok())
+            .unwrap_or(32768);
+        let ports: Vec<u16> = (0..50).map(|_| unused_port()).collect();
+        for &p in &ports {
+            assert!((10_000..low).contains(&p), "{p}");
+            std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
+        let mut distinct = ports.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() > 40, "{ports:?}");
     }
 
     #[test]
