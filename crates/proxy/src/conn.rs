@@ -452,9 +452,12 @@ impl<A: App> Connection<A> {
         let (tcp, replay) = if self.rules.h1_fast_path {
             let app = &self.app;
             let lean = h1::serve(tcp, &state, |req| app.call(req), &self.stop);
+            // Pinned out here, so that the socket it owns closes only after the timeout is
+            // counted: a client that sees the close and reads the metrics finds it there.
+            tokio::pin!(lean);
             let watchdog = watchdog(&state, &self.rules);
             let ended = tokio::select! {
-                ended = lean => ended,
+                ended = &mut lean => ended,
                 // Only while no request is in flight: nothing to answer.
                 expiry = watchdog => {
                     self.metrics.timeout(self.port, expiry.label());
