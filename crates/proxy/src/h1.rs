@@ -128,25 +128,19 @@ impl Body for LeanBody {
         if left == 0 {
             return Poll::Ready(None);
         }
-        loop {
-            ready!(socket.tcp.poll_read_ready(cx))?;
-            // Never past this body: the next request's bytes are the connection's to read.
-            let mut buf = vec![0u8; left.min(READ_CHUNK as u64) as usize];
-            match socket.tcp.try_read(&mut buf) {
-                Ok(0) => {
-                    return Poll::Ready(Some(Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "the client closed the connection before the end of the body",
-                    ))))
-                }
-                Ok(n) => {
-                    socket.left.store(left - n as u64, Ordering::Relaxed);
-                    buf.truncate(n);
-                    return Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))));
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Some(Err(e))),
+        // Never past this body: the next request's bytes are the connection's to read.
+        let mut buf = vec![0u8; left.min(READ_CHUNK as u64) as usize];
+        match ready!(sock::poll_read(&socket.tcp, &mut buf, cx)) {
+            Ok(0) => Poll::Ready(Some(Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the client closed the connection before the end of the body",
+            )))),
+            Ok(n) => {
+                socket.left.store(left - n as u64, Ordering::Relaxed);
+                buf.truncate(n);
+                Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
             }
+            Err(e) => Poll::Ready(Some(Err(e))),
         }
     }
 

@@ -9,6 +9,7 @@ use std::io;
 use std::task::{ready, Context, Poll};
 
 use bytes::BytesMut;
+use tokio::io::Interest;
 use tokio::net::TcpStream;
 
 /// How much a read buffer grows by when less than 4 KiB of it is free.
@@ -25,10 +26,57 @@ pub(crate) fn poll_read_buf(
         if buf.capacity() - buf.len() < 4096 {
             buf.reserve(READ_CHUNK);
         }
-        match tcp.try_read_buf(buf) {
+        let asked = buf.capacity() - buf.len();
+        match read_draining(tcp, asked, || tcp.try_read_buf(buf)) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             r => return Poll::Ready(r),
         }
+    }
+}
+
+/// Reads into `dst` what the socket has, up to its length: the bytes read, 0 at the end of
+/// the stream.
+pub(crate) fn poll_read(
+    tcp: &TcpStream,
+    dst: &mut [u8],
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
+    loop {
+        ready!(tcp.poll_read_ready(cx))?;
+        let asked = dst.len();
+        match read_draining(tcp, asked, || tcp.try_read(dst)) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+            r => return Poll::Ready(r),
+        }
+    }
+}
+
+/// One `read` of at most `asked` bytes; when it returns fewer (and more than none), the
+/// socket's receive queue was empty at its end, so the socket's read readiness is cleared
+/// with it. Without that, the next wait for bytes (the next request's head, the next
+/// response) found the readiness of the bytes just read still set and paid a `recv` that
+/// returned `EWOULDBLOCK` before waiting: one wasted system call per read on each side.
+/// Safe against bytes that arrive meanwhile: tokio clears only the readiness it had seen
+/// before the read began, and bytes arriving after it are a new edge of the socket's
+/// edge-triggered registration.
+fn read_draining(
+    tcp: &TcpStream,
+    asked: usize,
+    read: impl FnOnce() -> io::Result<usize>,
+) -> io::Result<usize> {
+    let mut short = None;
+    let r = tcp.try_io(Interest::READABLE, || {
+        let n = read()?;
+        if n > 0 && n < asked {
+            short = Some(n);
+            // Makes `try_io` clear the readiness it saw; the bytes are returned below.
+            return Err(io::ErrorKind::WouldBlock.into());
+        }
+        Ok(n)
+    });
+    match (r, short) {
+        (Err(e), Some(n)) if e.kind() == io::ErrorKind::WouldBlock => Ok(n),
+        (r, _) => r,
     }
 }
 
@@ -43,4 +91,57 @@ pub(crate) async fn write_all(tcp: &TcpStream, mut bytes: &[u8]) -> io::Result<(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::future::poll_fn;
+    use tokio::io::AsyncWriteExt;
+    use tokio::net::TcpListener;
+
+    async fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let near = TcpStream::connect(l.local_addr().unwrap()).await.unwrap();
+        let (far, _) = l.accept().await.unwrap();
+        (near, far)
+    }
+
+    /// Whether the socket's readiness is set now, without a system call.
+    fn ready_now(tcp: &TcpStream) -> bool {
+        let waker = std::task::Waker::noop();
+        tcp.poll_read_ready(&mut Context::from_waker(waker))
+            .is_ready()
+    }
+
+    #[tokio::test]
+    async fn a_short_read_clears_readiness_and_later_bytes_still_wake() {
+        let (near, mut far) = pair().await;
+        let mut buf = BytesMut::new();
+        for round in 0..3u8 {
+            let sent = vec![b'a' + round; 100];
+            far.write_all(&sent).await.unwrap();
+            let mut got = 0;
+            while got < sent.len() {
+                got += poll_fn(|cx| poll_read_buf(&near, &mut buf, cx))
+                    .await
+                    .unwrap();
+            }
+            assert_eq!(&buf[buf.len() - 100..], &sent[..]);
+            // Drained: waiting for the next bytes costs no read that finds none.
+            assert!(!ready_now(&near), "round {round}");
+        }
+        let mut dst = [0u8; 8];
+        far.write_all(b"0123456789").await.unwrap();
+        // A full read leaves readiness set: more may be queued, as here.
+        let n = poll_fn(|cx| poll_read(&near, &mut dst, cx)).await.unwrap();
+        assert_eq!((n, &dst[..]), (8, &b"01234567"[..]));
+        assert!(ready_now(&near));
+        let n = poll_fn(|cx| poll_read(&near, &mut dst, cx)).await.unwrap();
+        assert_eq!((n, &dst[..n]), (2, &b"89"[..]));
+        assert!(!ready_now(&near));
+        drop(far);
+        let n = poll_fn(|cx| poll_read(&near, &mut dst, cx)).await.unwrap();
+        assert_eq!(n, 0, "the end of the stream");
+    }
 }
