@@ -3,7 +3,8 @@
 //! HTTP/1.1 paths towards clients (`h1`) and replicas (`link`).
 //!
 //! Invariant: a read never blocks and never reads past the buffer's spare capacity; `Pending`
-//! is returned only with the caller's waker registered for the socket's next readiness.
+//! is returned only with the caller's waker registered for the socket's next readiness; a
+//! read that drained the socket leaves its readiness cleared (see `read_draining`).
 
 use std::io;
 use std::task::{ready, Context, Poll};
