@@ -355,11 +355,7 @@ fn parse(buf: &[u8]) -> Parsed {
     for h in req.headers.iter() {
         let name = h.name.as_bytes();
         if name.eq_ignore_ascii_case(b"content-length") {
-            let n = std::str::from_utf8(h.value)
-                .ok()
-                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<u64>().ok());
-            match (n, content_length) {
+            match (sock::content_length(h.value), content_length) {
                 (Some(n), None) => content_length = Some(n),
                 _ => return Parsed::Other,
             }

@@ -459,11 +459,7 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<Parsed>, LinkError> 
     for h in resp.headers.iter() {
         let name = h.name.as_bytes();
         if name.eq_ignore_ascii_case(b"content-length") {
-            let n = std::str::from_utf8(h.value)
-                .ok()
-                .map(str::trim)
-                .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
-                .and_then(|v| v.parse::<u64>().ok())
+            let n = sock::content_length(h.value)
                 .ok_or(LinkError::Malformed("an invalid Content-Length"))?;
             if length.is_some_and(|m| m != n) {
                 return Err(LinkError::Malformed("two different Content-Lengths"));

@@ -1,6 +1,7 @@
 //! Reading and writing a `TcpStream` shared by reference (between a connection and the request
 //! or response body using it at the moment) by readiness, from whichever task polls: the
-//! HTTP/1.1 paths towards clients (`h1`) and replicas (`link`).
+//! HTTP/1.1 paths towards clients (`h1`) and replicas (`link`), and the one header value both
+//! parse the same way (`Content-Length`).
 //!
 //! Invariant: a read never blocks and never reads past the buffer's spare capacity; `Pending`
 //! is returned only with the caller's waker registered for the socket's next readiness; a
@@ -79,6 +80,15 @@ fn read_draining(
         (Err(e), Some(n)) if e.kind() == io::ErrorKind::WouldBlock => Ok(n),
         (r, _) => r,
     }
+}
+
+/// A `Content-Length` value: digits only (after the whitespace around it), `None` otherwise.
+pub(crate) fn content_length(value: &[u8]) -> Option<u64> {
+    std::str::from_utf8(value)
+        .ok()
+        .map(str::trim)
+        .filter(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// Writes all of `bytes`, waiting for the socket's room as needed.
