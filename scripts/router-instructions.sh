@@ -13,7 +13,11 @@
 # long router-latency.sh run, earlier turns and earlier passes are in the caches), then the
 # same requests again with new tags, /v1/chat/completions, max_tokens=8. The router runs twice, with N1 and with
 # N2 requests; (instructions(N2) - instructions(N1)) / (N2 - N1) is the per-request figure,
-# start-up (tokenizer loading) and shutdown cancelling out.
+# start-up (tokenizer loading) and shutdown cancelling out. Printed twice: for the whole router,
+# and for its data-plane threads only (callgrind counts each thread on its own). Compare the
+# second: under valgrind the router reads KV events too slowly, replays what it missed, and the
+# replays add tens of thousands of instructions per request to other threads, differently each
+# run.
 #
 # usage: scripts/router-instructions.sh ROUTER_BINARY [SIM_BINARY]
 #   SIM_BINARY (default ROUTER_BINARY) runs the replicas: give both runs of a comparison the
@@ -69,7 +73,7 @@ done < <(grep '^replica=' "$OUT/sim.out")
 count() {
   local n=$1 dir=$OUT/n$1 pid data admin
   mkdir -p "$dir"
-  NO_COLOR=1 valgrind --tool=callgrind --callgrind-out-file="$dir/callgrind.out" "$ROUTER" serve \
+  NO_COLOR=1 valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$dir/callgrind.out" "$ROUTER" serve \
     --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" --block-size 16 \
     --policy precise --scrape-interval-ms 0 "${REPLICAS[@]}" >"$dir/router.out" 2>"$dir/router.err" &
   pid=$!
@@ -119,16 +123,27 @@ for i in range(n):
     send("/v1/completions", json.dumps(body), i)
 PYEOF
   stop "$pid" 120
-  awk '/^(summary|totals):/ {print $2; exit}' "$dir/callgrind.out"
+  # One file per thread (callgrind.out-NN); a data-plane thread's file is one that ran
+  # Shard::run. Prints "DATA_PLANE ALL".
+  local f n dp=0 all=0
+  for f in "$dir"/callgrind.out-*; do
+    n=$(awk '/^(summary|totals):/ {print $2; exit}' "$f")
+    all=$((all + n))
+    if grep -q '^c\{0,1\}fn=([0-9]*) .*kinference_proxy::Shard::run' "$f"; then dp=$((dp + n)); fi
+  done
+  echo "$dp $all"
 }
 
-i1=$(count "$N1")
-i2=$(count "$N2")
+read -r d1 i1 < <(count "$N1")
+read -r d2 i2 < <(count "$N2")
 per=$(( (i2 - i1) / (N2 - N1) ))
+per_data=$(( (d2 - d1) / (N2 - N1) ))
 {
   echo "router: $ROUTER ($("$ROUTER" --version 2>/dev/null || true))"
   echo "simulator: $SIM"
   echo "workload: $WORKLOAD$([ "$WORKLOAD" = chat ] && echo ", $CHAT_CONVERSATIONS conversations")"
   echo "instructions: $i1 for $N1 requests, $i2 for $N2 requests"
   echo "per request: $per"
+  echo "data-plane threads: $d1 for $N1 requests, $d2 for $N2 requests"
+  echo "data-plane threads per request: $per_data"
 } | tee "$OUT/summary.txt"
