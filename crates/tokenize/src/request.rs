@@ -6,7 +6,7 @@
 use std::fmt;
 
 use crate::json::{Json, Map};
-use serde::de::{Deserializer, SeqAccess, Visitor};
+use serde::de::{self, Deserializer, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use crate::error::{Result, TokenizeError};
@@ -192,8 +192,7 @@ impl ChatMessage {
 }
 
 /// The `prompt` of a completions request, in the four forms the OpenAI API allows.
-#[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CompletionPrompt {
     /// One text prompt.
     Text(String),
@@ -203,6 +202,99 @@ pub enum CompletionPrompt {
     Texts(Vec<String>),
     /// Several prompts given as token ids.
     IdLists(Vec<Vec<u32>>),
+}
+
+/// What `#[serde(untagged)]` accepted, read in one pass: untagged buffered the prompt into
+/// serde's generic `Content` and copied the text out again (a prompt is most of a completions
+/// request's bytes). An array's first element decides which list it is; an empty one is
+/// `Ids`, as untagged tried `Ids` first. Tested against the untagged enum.
+impl<'de> Deserialize<'de> for CompletionPrompt {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        /// The first element of an array prompt.
+        enum First {
+            Id(u32),
+            Text(String),
+            Ids(Vec<u32>),
+        }
+
+        impl<'de> Deserialize<'de> for First {
+            fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+                struct FirstVisitor;
+
+                impl<'de> Visitor<'de> for FirstVisitor {
+                    type Value = First;
+
+                    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                        f.write_str("a token id, a string or a list of token ids")
+                    }
+                    fn visit_u64<E: de::Error>(self, v: u64) -> std::result::Result<First, E> {
+                        u32::try_from(v)
+                            .map(First::Id)
+                            .map_err(|_| E::invalid_value(de::Unexpected::Unsigned(v), &self))
+                    }
+                    fn visit_str<E>(self, v: &str) -> std::result::Result<First, E> {
+                        Ok(First::Text(v.to_owned()))
+                    }
+                    fn visit_string<E>(self, v: String) -> std::result::Result<First, E> {
+                        Ok(First::Text(v))
+                    }
+                    fn visit_seq<A: SeqAccess<'de>>(
+                        self,
+                        seq: A,
+                    ) -> std::result::Result<First, A::Error> {
+                        rest(Vec::new(), seq).map(First::Ids)
+                    }
+                }
+
+                d.deserialize_any(FirstVisitor)
+            }
+        }
+
+        /// `first` and the rest of `seq`, each a `T`.
+        fn rest<'de, T: Deserialize<'de>, A: SeqAccess<'de>>(
+            first: Vec<T>,
+            mut seq: A,
+        ) -> std::result::Result<Vec<T>, A::Error> {
+            let mut all = first;
+            all.reserve(seq.size_hint().unwrap_or(0).min(64 * 1024));
+            while let Some(x) = seq.next_element()? {
+                all.push(x);
+            }
+            Ok(all)
+        }
+
+        struct PromptVisitor;
+
+        impl<'de> Visitor<'de> for PromptVisitor {
+            type Value = CompletionPrompt;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a string, a list of strings, a list of token ids or a list of lists of \
+                     token ids",
+                )
+            }
+            fn visit_str<E>(self, v: &str) -> std::result::Result<CompletionPrompt, E> {
+                Ok(CompletionPrompt::Text(v.to_owned()))
+            }
+            fn visit_string<E>(self, v: String) -> std::result::Result<CompletionPrompt, E> {
+                Ok(CompletionPrompt::Text(v))
+            }
+            fn visit_seq<A: SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<CompletionPrompt, A::Error> {
+                Ok(match seq.next_element::<First>()? {
+                    None => CompletionPrompt::Ids(Vec::new()),
+                    Some(First::Id(id)) => CompletionPrompt::Ids(rest(vec![id], seq)?),
+                    Some(First::Text(t)) => CompletionPrompt::Texts(rest(vec![t], seq)?),
+                    Some(First::Ids(ids)) => CompletionPrompt::IdLists(rest(vec![ids], seq)?),
+                })
+            }
+        }
+
+        d.deserialize_any(PromptVisitor)
+    }
 }
 
 /// A completions request (the fields that decide its token ids).
@@ -267,6 +359,118 @@ mod tests {
             assert!(CompletionRequest::from_json(&bad).is_err());
             bad = good.as_bytes().to_vec();
         }
+    }
+
+    /// The reference: what the prompt was parsed with before it had its own visitor.
+    #[derive(Debug, Deserialize)]
+    #[serde(untagged)]
+    enum UntaggedPrompt {
+        Text(String),
+        Ids(Vec<u32>),
+        Texts(Vec<String>),
+        IdLists(Vec<Vec<u32>>),
+    }
+
+    impl From<UntaggedPrompt> for CompletionPrompt {
+        fn from(p: UntaggedPrompt) -> Self {
+            match p {
+                UntaggedPrompt::Text(t) => CompletionPrompt::Text(t),
+                UntaggedPrompt::Ids(v) => CompletionPrompt::Ids(v),
+                UntaggedPrompt::Texts(v) => CompletionPrompt::Texts(v),
+                UntaggedPrompt::IdLists(v) => CompletionPrompt::IdLists(v),
+            }
+        }
+    }
+
+    /// The visitor accepts what the untagged enum accepted, as the same variant, and refuses
+    /// what it refused: hand-picked shapes, then seeded random JSON built from the pieces a
+    /// prompt is made of (strings with escapes, ids at and past `u32`'s bounds, negatives,
+    /// floats, nesting, nulls, objects).
+    #[test]
+    fn prompts_parse_as_the_untagged_enum_parsed_them() {
+        use rand::{Rng, SeedableRng};
+        let check = |json: &str| {
+            let ours = serde_json::from_str::<CompletionPrompt>(json).ok();
+            let reference = serde_json::from_str::<UntaggedPrompt>(json)
+                .ok()
+                .map(CompletionPrompt::from);
+            assert_eq!(ours, reference, "{json}");
+            ours.is_some()
+        };
+        let picked = [
+            r#""plain""#,
+            r#""a\n\"b\"\u00e9""#,
+            "[]",
+            "[1, 2, 4294967295]",
+            "[4294967296]",
+            "[-1]",
+            "[1.5]",
+            r#"["a", "b"]"#,
+            "[[1, 2], [], [3]]",
+            "[[]]",
+            r#"[1, "a"]"#,
+            r#"["a", 1]"#,
+            "[[1], 2]",
+            "[[1, -2]]",
+            r#"[["a"]]"#,
+            "[null]",
+            "null",
+            "1",
+            "{}",
+            r#"[{"a": 1}]"#,
+            "[1, 2",
+        ];
+        for json in picked {
+            check(json);
+        }
+        fn value(r: &mut rand_chacha::ChaCha8Rng, depth: u32) -> String {
+            match r.gen_range(0..if depth < 2 { 9 } else { 7 }) {
+                0 => format!("{}", r.gen_range(0..1000u64)),
+                1 => ["4294967295", "4294967296", "-1", "0", "1.0", "1e3"][r.gen_range(0..6)]
+                    .to_owned(),
+                2 | 3 => {
+                    let s = ["x", "é", "\\n", "\\\"", "\\u00e9", " ", "😀"];
+                    let n = r.gen_range(0..4);
+                    format!(
+                        "\"{}\"",
+                        (0..n)
+                            .map(|_| s[r.gen_range(0..s.len())])
+                            .collect::<String>()
+                    )
+                }
+                4 => "null".to_owned(),
+                5 => "true".to_owned(),
+                6 => r#"{"k": 1}"#.to_owned(),
+                _ => {
+                    let n = r.gen_range(0..4);
+                    let items: Vec<String> = (0..n).map(|_| value(r, depth + 1)).collect();
+                    format!("[{}]", items.join(", "))
+                }
+            }
+        }
+        let mut r = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        let mut accepted = 0;
+        for _ in 0..20_000 {
+            // Arrays most of the time: a uniform element type is what makes them valid.
+            let json = if r.gen_bool(0.8) {
+                let kind = r.gen_range(0..3);
+                let n = r.gen_range(0..5);
+                let items: Vec<String> = (0..n)
+                    .map(|_| match (kind, r.gen_bool(0.9)) {
+                        (0, true) => format!("{}", r.gen_range(0..100_000u64)),
+                        (1, true) => format!("\"w{}\\n\"", r.gen_range(0..9)),
+                        (2, true) => format!("[{}]", r.gen_range(0..9)),
+                        _ => value(&mut r, 1),
+                    })
+                    .collect();
+                format!("[{}]", items.join(", "))
+            } else {
+                value(&mut r, 0)
+            };
+            accepted += usize::from(check(&json));
+        }
+        // Both outcomes were exercised.
+        assert!((2_000..18_000).contains(&accepted), "{accepted}");
     }
 
     #[test]
