@@ -34,7 +34,7 @@ use crate::config::WarmMode;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, Pool, Replica, Rules};
 use crate::limits::{Admitted, Shed, ShedLabels};
-use crate::metrics::{DecisionLabels, KindLabel, PoolKind, PoolLabel, RequestLabels};
+use crate::metrics::{KindLabel, PoolKind, RequestLabels};
 use crate::savings::BaselineGuess;
 
 /// Which OpenAI API a routed request uses.
@@ -700,19 +700,12 @@ pub(crate) async fn admit(
 
 pub(crate) fn record_decision(fleet: &Fleet, routed: &Routed) {
     let (p, decision) = (&routed.prepared, &routed.decision);
-    let m = &fleet.metrics;
-    m.decisions
-        .get_or_create(&DecisionLabels {
-            pool: p.pool.name.clone(),
-            policy: decision.policy,
-            reason: decision.reason.as_str(),
-        })
-        .inc();
-    m.prompt_tokens
-        .get_or_create(&PoolLabel {
-            pool: p.pool.name.clone(),
-        })
-        .inc_by(u64::from(p.prompt_tokens));
+    fleet.metrics.record_decision(
+        &p.pool.name,
+        decision.policy,
+        decision.reason.as_str(),
+        p.prompt_tokens,
+    );
     tracing::debug!(
         pool = %p.pool.name,
         prompt_tokens = p.prompt_tokens,

@@ -260,7 +260,7 @@ fn respond(
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
     let status = parts.status;
-    let mut headers = response_headers(&parts.headers);
+    let mut headers = response_headers(parts.headers);
     let m = &fleet.metrics;
     m.replica_requests(
         &t.replica.series,

@@ -238,8 +238,9 @@ pub(crate) struct Metrics {
     pub served: Family<PoolKind, Counter>,
     /// Shedding, client-side timeouts, connections (`crate::limits`).
     pub limits: LimitMetrics,
-    /// Each pool's series of [`Metrics::record_usage`], looked up once: every routed response
-    /// updates eight of them, and a family lookup builds a label set (a string) and hashes it.
+    /// Each pool's series of [`Metrics::record_usage`] and [`Metrics::record_decision`], looked
+    /// up once: every routed request updates two of them and every routed response eight, and a
+    /// family lookup builds a label set (a string) and hashes it.
     /// Pool series are never removed, so a handle stays the series' own.
     usage: Arc<RwLock<Vec<Arc<PoolUsage>>>>,
 }
@@ -256,6 +257,10 @@ struct PoolUsage {
     prompt_tokens: Counter,
     /// Per baseline policy: tokens, GPU-seconds.
     baselines: RwLock<Vec<(&'static str, Counter, GpuSeconds)>>,
+    /// `kinference_prompt_tokens` of the pool's routed requests.
+    routed_prompt_tokens: Counter,
+    /// `kinference_decisions` by policy and reason.
+    decisions: RwLock<Vec<(&'static str, &'static str, Counter)>>,
 }
 
 type GpuSeconds = Counter<f64, AtomicU64>;
@@ -316,6 +321,7 @@ impl Metrics {
         let saved_tokens = self.saved_tokens.get_or_create(&pl).clone();
         let saved_gpu_seconds = self.saved_gpu_seconds.get_or_create(&pl).clone();
         let prompt_tokens = self.usage_prompt_tokens.get_or_create(&pl).clone();
+        let routed_prompt_tokens = self.prompt_tokens.get_or_create(&pl).clone();
         let u = Arc::new(PoolUsage {
             pool: pool.into(),
             predicted,
@@ -325,6 +331,8 @@ impl Metrics {
             saved_gpu_seconds,
             prompt_tokens,
             baselines: RwLock::default(),
+            routed_prompt_tokens,
+            decisions: RwLock::default(),
         });
         all.push(u.clone());
         u
@@ -345,6 +353,40 @@ impl Metrics {
             all.push((policy, t.clone(), g.clone()));
         }
         (t, g)
+    }
+
+    /// A routing decision in `pool` by `policy` for `reason`, of a request of `prompt` tokens.
+    pub fn record_decision(
+        &self,
+        pool: &str,
+        policy: &'static str,
+        reason: &'static str,
+        prompt: u32,
+    ) {
+        let u = self.pool_usage(pool);
+        u.routed_prompt_tokens.inc_by(u64::from(prompt));
+        let known = u
+            .decisions
+            .read()
+            .iter()
+            .find(|(p, r, _)| *p == policy && *r == reason)
+            .map(|(_, _, c)| c.clone());
+        let counter = known.unwrap_or_else(|| {
+            let c = self
+                .decisions
+                .get_or_create(&DecisionLabels {
+                    pool: pool.to_owned(),
+                    policy,
+                    reason,
+                })
+                .clone();
+            let mut all = u.decisions.write();
+            if !all.iter().any(|(p, r, _)| *p == policy && *r == reason) {
+                all.push((policy, reason, c.clone()));
+            }
+            c
+        });
+        counter.inc();
     }
 
     /// A routed response of `prompt` tokens that reported its cached tokens: the prediction
