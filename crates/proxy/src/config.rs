@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crate::savings::{Prices, SavingsModel};
 use http::uri::Authority;
-use http::HeaderName;
+use http::{HeaderName, HeaderValue};
 use kinference_policy::PolicyConfig;
 use kinference_vllm::{BlockHasher, ExtraKeysFormat, HashAlgo};
 use serde::de::DeserializeOwned;
@@ -1085,6 +1085,8 @@ pub(crate) struct Endpoint {
     /// The URL as configured, without a trailing `/`.
     pub url: String,
     pub authority: Authority,
+    /// `authority` as the `Host` header of forwarded requests (made once, not per request).
+    pub host: HeaderValue,
     /// Path prefix of the base URL (empty or `/something`).
     pub prefix: String,
     /// Spoken to with HTTP/2 prior knowledge (h2c) instead of HTTP/1.1.
@@ -1112,9 +1114,14 @@ impl Endpoint {
         if authority.port_u16().is_none() {
             return Err(UrlError::NoPort(owned()));
         }
+        let host = HeaderValue::from_str(authority.as_str()).map_err(|e| UrlError::Invalid {
+            url: owned(),
+            reason: e.to_string(),
+        })?;
         Ok(Endpoint {
             url: url.trim_end_matches('/').to_owned(),
             authority,
+            host,
             prefix: uri.path().trim_end_matches('/').to_owned(),
             h2c: false,
         })

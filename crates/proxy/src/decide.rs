@@ -123,18 +123,19 @@ pub(crate) fn lookup<'f>(
     api: Api,
     body: &[u8],
 ) -> Result<Looked<'f>, RequestError> {
-    let request = match api {
+    let mut request = match api {
         Api::Chat => ChatRequest::from_json(body).map(|r| Parsed::Chat(Box::new(r))),
         Api::Completions => CompletionRequest::from_json(body).map(Parsed::Completions),
     };
-    let head = match &request {
+    // Moved out: tokenizing reads neither.
+    let head = match &mut request {
         Ok(Parsed::Chat(r)) => Head {
-            model: r.model.clone(),
-            cache_salt: r.cache_salt.clone(),
+            model: r.model.take(),
+            cache_salt: r.cache_salt.take(),
         },
         Ok(Parsed::Completions(r)) => Head {
-            model: r.model.clone(),
-            cache_salt: r.cache_salt.clone(),
+            model: r.model.take(),
+            cache_salt: r.cache_salt.take(),
         },
         Err(_) => serde_json::from_slice(body).map_err(|e| {
             RequestError::BadRequest(format!("the body is not a JSON request: {e}"))
@@ -177,7 +178,6 @@ pub(crate) fn prepare_looked(
     } = looked;
     let model = head
         .model
-        .clone()
         .or_else(|| pool.models.first().cloned())
         .unwrap_or_default();
     let rules = pool.rules();

@@ -36,7 +36,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::decide::Target;
 use crate::error::RequestError;
-use crate::fleet::{Fleet, InFlight, Replica};
+use crate::fleet::{Fleet, InFlight, Pool, Replica};
 use crate::limits::Admitted;
 use crate::link::LinkBody;
 use crate::metrics::{PoolKind, ReplicaKind, RouteLabel};
@@ -52,7 +52,7 @@ pub(crate) struct Forward {
     /// The `route` metric label.
     pub route: &'static str,
     /// The request's pool (named in the error when no replica takes it).
-    pub pool: String,
+    pub pool: Arc<Pool>,
     pub accounting: Accounting,
     pub method: Method,
     pub path_and_query: PathAndQuery,
@@ -70,7 +70,6 @@ pub(crate) enum Accounting {
     /// until the first byte, and the cached tokens the replica reports are compared with the
     /// prediction.
     Routed {
-        pool: String,
         prompt_tokens: u32,
         /// The baselines' guesses for the request, counted with its usage.
         baselines: Vec<BaselineGuess>,
@@ -80,17 +79,15 @@ pub(crate) enum Accounting {
 }
 
 impl Accounting {
-    fn pool(&self) -> Option<&str> {
-        match self {
-            Accounting::Routed { pool, .. } => Some(pool),
-            Accounting::Passthrough => None,
-        }
+    fn routed(&self) -> bool {
+        matches!(self, Accounting::Routed { .. })
     }
 
-    fn baselines(&self) -> &[BaselineGuess] {
+    /// The baselines' guesses, moved out (to the response body, which counts them).
+    fn take_baselines(&mut self) -> Vec<BaselineGuess> {
         match self {
-            Accounting::Routed { baselines, .. } => baselines,
-            Accounting::Passthrough => &[],
+            Accounting::Routed { baselines, .. } => std::mem::take(baselines),
+            Accounting::Passthrough => Vec::new(),
         }
     }
 
@@ -130,7 +127,7 @@ pub(crate) async fn forward(
             return Ok((respond(fleet, req, t, guard, resp), i));
         }
     }
-    let pool = req.pool;
+    let pool = req.pool.name.clone();
     let detail = if failures.is_empty() {
         "no replica is configured".to_owned()
     } else {
@@ -245,7 +242,11 @@ fn count_retry(fleet: &Fleet, req: &Forward, kind: &'static str) {
         .metrics
         .retries
         .get_or_create(&PoolKind {
-            pool: req.accounting.pool().unwrap_or_default().to_owned(),
+            pool: if req.accounting.routed() {
+                req.pool.name.clone()
+            } else {
+                String::new()
+            },
             kind,
         })
         .inc();
@@ -253,7 +254,7 @@ fn count_retry(fleet: &Fleet, req: &Forward, kind: &'static str) {
 
 fn respond(
     fleet: &Arc<Fleet>,
-    req: Forward,
+    mut req: Forward,
     t: &Target,
     guard: InFlight,
     resp: http::Response<LinkBody>,
@@ -286,7 +287,7 @@ fn respond(
         total: timeouts
             .total()
             .map(|d| Box::pin(tokio::time::sleep_until(req.start + d))),
-        scanner: req.accounting.pool().map(|_| UsageScanner::default()),
+        scanner: req.accounting.routed().then(UsageScanner::default),
         sse,
         first_seen: false,
         finished: false,
@@ -296,10 +297,10 @@ fn respond(
             replica: t.replica.clone(),
             first_byte,
             duration,
-            pool: req.accounting.pool().map(str::to_owned),
+            pool: req.accounting.routed().then(|| req.pool.clone()),
             prompt_tokens: req.accounting.prompt_tokens(),
             predicted_cached: t.predicted_cached,
-            baselines: req.accounting.baselines().to_vec(),
+            baselines: req.accounting.take_baselines(),
             start: req.start,
         },
     };
@@ -337,7 +338,7 @@ struct Observer {
     replica: Arc<Replica>,
     first_byte: Histogram,
     duration: Histogram,
-    pool: Option<String>,
+    pool: Option<Arc<Pool>>,
     prompt_tokens: u32,
     predicted_cached: u32,
     baselines: Vec<BaselineGuess>,
@@ -379,7 +380,7 @@ impl UpstreamBody {
             self.scanner.as_ref().and_then(UsageScanner::cached_tokens),
         ) {
             self.obs.fleet.record_usage(
-                pool,
+                &pool.name,
                 self.obs.prompt_tokens,
                 self.obs.predicted_cached,
                 actual,

@@ -29,6 +29,7 @@
 
 use std::collections::HashMap;
 use std::future::poll_fn;
+use std::io::Write as _;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -328,9 +329,8 @@ async fn write_request(
         Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE
     );
     if !body.is_empty() || !bodiless {
-        head.extend_from_slice(b"content-length: ");
-        head.extend_from_slice(body.len().to_string().as_bytes());
-        head.extend_from_slice(b"\r\n");
+        // Into the buffer itself: a Vec's io::Write cannot fail.
+        let _ = write!(head, "content-length: {}\r\n", body.len());
     }
     head.extend_from_slice(b"\r\n");
     // Small bodies go in the same buffer (one write, one segment); large ones after it.

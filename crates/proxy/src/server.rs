@@ -110,9 +110,8 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
-        pool: pool.name.clone(),
+        pool: pool.clone(),
         accounting: Accounting::Routed {
-            pool: pool.name.clone(),
             prompt_tokens,
             baselines: std::mem::take(&mut routed.baselines),
         },
@@ -196,7 +195,7 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
     let targets = decide::by_load(&pool, None);
     let fwd = Forward {
         route,
-        pool: pool.name.clone(),
+        pool,
         accounting: Accounting::Passthrough,
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),

@@ -224,9 +224,7 @@ pub(crate) fn build_request(
     if rank.is_none() && headers.keys().any(|k| k.as_str() == DP_RANK_HEADER) {
         headers.remove(DP_RANK_HEADER);
     }
-    if let Ok(v) = HeaderValue::from_str(endpoint.authority.as_str()) {
-        headers.insert(header::HOST, v);
-    }
+    headers.insert(header::HOST, endpoint.host.clone());
     if let Some(r) = rank {
         headers.insert(
             HeaderName::from_static(DP_RANK_HEADER),
