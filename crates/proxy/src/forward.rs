@@ -281,7 +281,7 @@ fn respond(
         inner: incoming,
         guard: Some(guard),
         admitted: Some(req.admitted),
-        idle: Box::pin(tokio::time::sleep_until(idle_deadline)),
+        idle: None,
         idle_deadline,
         idle_after: timeouts.idle(),
         total: timeouts
@@ -351,8 +351,9 @@ struct UpstreamBody {
     inner: LinkBody,
     guard: Option<InFlight>,
     admitted: Option<Admitted>,
-    /// Fires at or before `idle_deadline`; re-armed to it only when it fires early.
-    idle: Pin<Box<Sleep>>,
+    /// Fires at or before `idle_deadline`; re-armed to it only when it fires early. Made at
+    /// the first wait for data: a response whose body is all there by then needs none.
+    idle: Option<Pin<Box<Sleep>>>,
     /// When the response has gone `idle_after` without data.
     idle_deadline: Instant,
     idle_after: Duration,
@@ -471,14 +472,17 @@ impl http_body::Body for UpstreamBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                while this.idle.as_mut().poll(cx).is_ready() {
+                let deadline = this.idle_deadline;
+                let idle = this
+                    .idle
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                while idle.as_mut().poll(cx).is_ready() {
                     if Instant::now() >= this.idle_deadline {
                         let ms = this.idle_after.as_millis();
                         return this.fail("idle_timeout", format!("no data for {ms} ms"));
                     }
                     // Data came since the timer was set: wait out the rest of the new period.
-                    let deadline = this.idle_deadline;
-                    this.idle.as_mut().reset(deadline);
+                    idle.as_mut().reset(this.idle_deadline);
                 }
                 Poll::Pending
             }
