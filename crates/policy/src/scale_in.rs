@@ -18,11 +18,13 @@
 //! prefixes are remembered per replica, the least recently hit forgotten first.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::time::Duration;
 
 use kinference_index::ReplicaId;
 use kinference_vllm::BlockHash;
 
+use crate::tracker::MixHasher;
 use crate::types::Candidate;
 
 /// The blocks of a request only one replica holds: `start..end`, where `start` is the longest
@@ -60,14 +62,14 @@ pub fn unique_span(candidates: &[Candidate], chosen: ReplicaId) -> Option<Unique
 #[derive(Clone, Debug)]
 pub struct UniqueHits {
     /// First unique block → (unique tokens, when last hit).
-    prefixes: HashMap<BlockHash, (u32, Duration)>,
+    prefixes: HashMap<BlockHash, (u32, Duration), BuildHasherDefault<MixHasher>>,
     capacity: usize,
 }
 
 impl UniqueHits {
     pub fn new(capacity: usize) -> Self {
         UniqueHits {
-            prefixes: HashMap::new(),
+            prefixes: HashMap::default(),
             capacity: capacity.max(1),
         }
     }

@@ -15,6 +15,7 @@
 //! blocks per request and 2 % in total of the whole model on the traces measured.
 
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
 use std::time::Duration;
 
 use kinference_index::WorkerId;
@@ -22,6 +23,7 @@ use kinference_index::WorkerId;
 use crate::config::PolicyConfig;
 use crate::lru::{BlockLru, SAMPLE_ABOVE};
 use crate::policy::Policy;
+use crate::tracker::MixHasher;
 use crate::types::{Candidate, RequestCtx};
 
 /// The bound for a baseline whose replicas have not reported their KV capacity yet: the
@@ -35,7 +37,7 @@ pub const CAPACITY_UNKNOWN: usize = SAMPLE_ABOVE - 1;
 pub struct Shadow {
     policy: Policy,
     /// Per worker: the blocks this baseline sent it.
-    caches: HashMap<WorkerId, BlockLru>,
+    caches: HashMap<WorkerId, BlockLru, BuildHasherDefault<MixHasher>>,
     capacity: usize,
 }
 
@@ -70,7 +72,7 @@ impl Shadow {
         }
         Ok(Shadow {
             policy: Policy::new(config),
-            caches: HashMap::new(),
+            caches: HashMap::default(),
             capacity: capacity.max(1),
         })
     }

@@ -69,7 +69,7 @@ pub(crate) struct Settings {
 pub(crate) struct Fleet {
     pub pools: Vec<Arc<Pool>>,
     /// `model` → (pool index, LoRA adapter when the name is one).
-    models: HashMap<String, (usize, Option<Lora>)>,
+    models: HashMap<String, (usize, Option<Lora>), ahash::RandomState>,
     started: tokio::time::Instant,
     pub changed: Arc<watch::Sender<u64>>,
     pub metrics: Metrics,
@@ -774,7 +774,7 @@ pub(crate) async fn build(
     upstream: Upstream,
 ) -> Result<(Fleet, Vec<Discovery>), StartError> {
     let mut pools = Vec::new();
-    let mut models = HashMap::new();
+    let mut models = HashMap::default();
     let mut discoveries = Vec::new();
     let mut next_id = 0u32;
     for (pi, (pc, rp)) in cfg.pools.iter().zip(resolved.pools).enumerate() {

@@ -30,7 +30,7 @@
 //! neither tokenized nor hashed again up to where it restarted.
 
 use std::any::Any;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 
@@ -137,10 +137,11 @@ pub struct Reuse {
 
 #[derive(Debug, Default)]
 struct Inner {
-    entries: HashMap<u64, (Arc<Entry>, u64)>,
+    // ahash, not SipHash: a lookup probes several buckets and entries on every request.
+    entries: ahash::AHashMap<u64, (Arc<Entry>, u64)>,
     /// tick -> entry id, oldest first.
     lru: BTreeMap<u64, u64>,
-    buckets: HashMap<u64, Vec<u64>>,
+    buckets: ahash::AHashMap<u64, Vec<u64>>,
     bytes: usize,
     tick: u64,
     next_id: u64,

@@ -493,8 +493,8 @@ thread_local! {
     /// Per thread and tokenizer (`Bpe::cache_id`): the merge results by word, as `tokenizers`
     /// keeps its BPE cache (a word's ids never depend on anything but its bytes, so a hit is
     /// exact), and the buffers of the last text, so that a text allocates nothing but its ids.
-    static SCRATCHES: std::cell::RefCell<HashMap<u64, Scratch>> =
-        std::cell::RefCell::new(HashMap::new());
+    static SCRATCHES: std::cell::RefCell<ahash::AHashMap<u64, Scratch>> =
+        std::cell::RefCell::new(ahash::AHashMap::new());
 }
 
 /// Elements a scratch buffer keeps between texts; one grown past it by a long text is freed.
