@@ -242,7 +242,41 @@ pub(crate) struct Metrics {
     /// up once: every routed request updates two of them and every routed response eight, and a
     /// family lookup builds a label set (a string) and hashes it.
     /// Pool series are never removed, so a handle stays the series' own.
-    usage: Arc<RwLock<Vec<Arc<PoolUsage>>>>,
+    usage: Arc<Handles<Box<str>, Arc<PoolUsage>>>,
+}
+
+/// Series handles by key, for families updated on every request: found by a scan under the
+/// read lock (a few keys each), else made and kept. A family lookup builds a label set, with
+/// strings, and hashes it; a handle is the series' own as long as the series is never removed.
+#[derive(Debug)]
+struct Handles<K, H>(RwLock<Vec<(K, H)>>);
+
+impl<K, H> Default for Handles<K, H> {
+    fn default() -> Self {
+        Handles(RwLock::new(Vec::new()))
+    }
+}
+
+impl<K, H: Clone> Handles<K, H> {
+    /// The handle of `key`, made by `make` (key and handle) at its first use. `make` runs
+    /// outside this lock: it takes the family's, which another thread holding this one while
+    /// waiting for the family's would deadlock against.
+    fn get<Q>(&self, key: &Q, make: impl FnOnce() -> (K, H)) -> H
+    where
+        K: std::borrow::Borrow<Q>,
+        Q: PartialEq + ?Sized,
+    {
+        if let Some((_, h)) = self.0.read().iter().find(|(k, _)| k.borrow() == key) {
+            return h.clone();
+        }
+        let (k, h) = make();
+        let mut all = self.0.write();
+        if let Some((_, known)) = all.iter().find(|(k, _)| k.borrow() == key) {
+            return known.clone();
+        }
+        all.push((k, h.clone()));
+        h
+    }
 }
 
 /// One pool's usage series (handles share the families' values).
@@ -256,11 +290,11 @@ struct PoolUsage {
     saved_gpu_seconds: Counter<f64, AtomicU64>,
     prompt_tokens: Counter,
     /// Per baseline policy: tokens, GPU-seconds.
-    baselines: RwLock<Vec<(&'static str, Counter, GpuSeconds)>>,
+    baselines: Handles<&'static str, (Counter, GpuSeconds)>,
     /// `kinference_prompt_tokens` of the pool's routed requests.
     routed_prompt_tokens: Counter,
     /// `kinference_decisions` by policy and reason.
-    decisions: RwLock<Vec<(&'static str, &'static str, Counter)>>,
+    decisions: Handles<(&'static str, &'static str), Counter>,
 }
 
 type GpuSeconds = Counter<f64, AtomicU64>;
@@ -299,60 +333,49 @@ impl Metrics {
     }
 
     fn pool_usage(&self, pool: &str) -> Arc<PoolUsage> {
-        if let Some(u) = self.usage.read().iter().find(|u| &*u.pool == pool) {
-            return u.clone();
-        }
-        let mut all = self.usage.write();
-        if let Some(u) = all.iter().find(|u| &*u.pool == pool) {
-            return u.clone();
-        }
-        let pk = |kind| PoolKind {
-            pool: pool.to_owned(),
-            kind,
-        };
-        let pl = PoolLabel {
-            pool: pool.to_owned(),
-        };
-        // One statement per handle: a family's guard lives to the end of its statement, and
-        // the next lookup in the same family may need that family's write lock.
-        let predicted = self.cached_tokens.get_or_create(&pk("predicted")).clone();
-        let actual = self.cached_tokens.get_or_create(&pk("actual")).clone();
-        let observed = self.usage_observed.get_or_create(&pl).clone();
-        let saved_tokens = self.saved_tokens.get_or_create(&pl).clone();
-        let saved_gpu_seconds = self.saved_gpu_seconds.get_or_create(&pl).clone();
-        let prompt_tokens = self.usage_prompt_tokens.get_or_create(&pl).clone();
-        let routed_prompt_tokens = self.prompt_tokens.get_or_create(&pl).clone();
-        let u = Arc::new(PoolUsage {
-            pool: pool.into(),
-            predicted,
-            actual,
-            observed,
-            saved_tokens,
-            saved_gpu_seconds,
-            prompt_tokens,
-            baselines: RwLock::default(),
-            routed_prompt_tokens,
-            decisions: RwLock::default(),
-        });
-        all.push(u.clone());
-        u
+        self.usage.get(pool, || {
+            let pk = |kind| PoolKind {
+                pool: pool.to_owned(),
+                kind,
+            };
+            let pl = PoolLabel {
+                pool: pool.to_owned(),
+            };
+            // One statement per handle: a family's guard lives to the end of its statement,
+            // and the next lookup in the same family may need that family's write lock.
+            let predicted = self.cached_tokens.get_or_create(&pk("predicted")).clone();
+            let actual = self.cached_tokens.get_or_create(&pk("actual")).clone();
+            let observed = self.usage_observed.get_or_create(&pl).clone();
+            let saved_tokens = self.saved_tokens.get_or_create(&pl).clone();
+            let saved_gpu_seconds = self.saved_gpu_seconds.get_or_create(&pl).clone();
+            let prompt_tokens = self.usage_prompt_tokens.get_or_create(&pl).clone();
+            let routed_prompt_tokens = self.prompt_tokens.get_or_create(&pl).clone();
+            let u = PoolUsage {
+                pool: pool.into(),
+                predicted,
+                actual,
+                observed,
+                saved_tokens,
+                saved_gpu_seconds,
+                prompt_tokens,
+                baselines: Handles::default(),
+                routed_prompt_tokens,
+                decisions: Handles::default(),
+            };
+            (pool.into(), Arc::new(u))
+        })
     }
 
     fn baseline_usage(&self, u: &PoolUsage, policy: &'static str) -> (Counter, GpuSeconds) {
-        if let Some((_, t, g)) = u.baselines.read().iter().find(|(p, _, _)| *p == policy) {
-            return (t.clone(), g.clone());
-        }
-        let pp = PoolPolicy {
-            pool: u.pool.to_string(),
-            policy,
-        };
-        let t = self.baseline_tokens.get_or_create(&pp).clone();
-        let g = self.baseline_gpu_seconds.get_or_create(&pp).clone();
-        let mut all = u.baselines.write();
-        if !all.iter().any(|(p, _, _)| *p == policy) {
-            all.push((policy, t.clone(), g.clone()));
-        }
-        (t, g)
+        u.baselines.get(&policy, || {
+            let pp = PoolPolicy {
+                pool: u.pool.to_string(),
+                policy,
+            };
+            let t = self.baseline_tokens.get_or_create(&pp).clone();
+            let g = self.baseline_gpu_seconds.get_or_create(&pp).clone();
+            (policy, (t, g))
+        })
     }
 
     /// A routing decision in `pool` by `policy` for `reason`, of a request of `prompt` tokens.
@@ -365,26 +388,16 @@ impl Metrics {
     ) {
         let u = self.pool_usage(pool);
         u.routed_prompt_tokens.inc_by(u64::from(prompt));
-        let known = u
-            .decisions
-            .read()
-            .iter()
-            .find(|(p, r, _)| *p == policy && *r == reason)
-            .map(|(_, _, c)| c.clone());
-        let counter = known.unwrap_or_else(|| {
-            let c = self
-                .decisions
-                .get_or_create(&DecisionLabels {
-                    pool: pool.to_owned(),
-                    policy,
-                    reason,
-                })
-                .clone();
-            let mut all = u.decisions.write();
-            if !all.iter().any(|(p, r, _)| *p == policy && *r == reason) {
-                all.push((policy, reason, c.clone()));
-            }
-            c
+        let counter = u.decisions.get(&(policy, reason), || {
+            let labels = DecisionLabels {
+                pool: pool.to_owned(),
+                policy,
+                reason,
+            };
+            (
+                (policy, reason),
+                self.decisions.get_or_create(&labels).clone(),
+            )
         });
         counter.inc();
     }
