@@ -8,10 +8,17 @@
 # (KV events, scrapes). A uprobe traps on every call, so the run serves far fewer requests per
 # second than an unprobed one; the counts per request are what it is for.
 #
-# Needs perf with uprobe access (root), wrk and curl; the probes are removed on exit.
+# With STACKS=1, a second run then records the allocations and reallocations with their call
+# stacks (perf record --call-graph dwarf on the same probes) and prints the data-plane threads'
+# per request by allocation site: the first STACKS_DEPTH frames (default 2) that are not the
+# allocator, the standard library or the collections (scripts/lib/alloc_sites.py).
+#
+# Needs perf with uprobe access (root), wrk and curl (and python3 for STACKS=1); the probes are
+# removed on exit.
 #
 # usage: scripts/router-allocations.sh BINARY
 # env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s RESULTS=target/router-allocations
+#      STACKS=1 STACKS_DEPTH=2
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -47,7 +54,7 @@ done
 
 start_bench_fleet "$BIN" "$TOKENIZER" "$OUT"
 
-bench_count al --per-thread -e "$(IFS=,; echo "${PROBES[*]}")"
+bench_count al stat -x, -o "$OUT/perf.csv" --per-thread -e "$(IFS=,; echo "${PROBES[*]}")"
 echo "binary: $BIN"
 echo "requests: $REQUESTS (wrk, 32 connections, $DURATION, under uprobes)"
 for event in "${PROBES[@]}"; do echo "$event ${KIND[$event]}"; done >"$OUT/kinds.txt"
@@ -65,3 +72,15 @@ awk -F, -v n="$REQUESTS" '
         count[thread, "alloc"] / n, count[thread, "realloc"] / n, count[thread, "free"] / n
     }
   }' FS=' ' "$OUT/kinds.txt" FS=, "$OUT/perf.csv" | tee "$OUT/allocations.txt"
+
+[ -n "${STACKS:-}" ] || exit 0
+# Frees carry no site worth naming: the stacks are those of allocations and reallocations.
+# perf drops many of them (a uprobe fires faster than dwarf stacks are copied out), at random
+# with respect to the site, so each site's share of the recorded stacks is scaled to the
+# data-plane threads' allocations and reallocations per request counted above.
+SITES=()
+for event in "${PROBES[@]}"; do [ "${KIND[$event]}" = free ] || SITES+=("$event"); done
+bench_count als record -q -m 8192 -o "$OUT/perf.data" --call-graph dwarf,16384 -e "$(IFS=,; echo "${SITES[*]}")"
+per_request=$(awk '/^data-plane threads/ {print $4 + $6}' "$OUT/allocations.txt")
+perf script -i "$OUT/perf.data" -F comm,ip,sym 2>/dev/null >"$OUT/stacks.txt"
+python3 "$HERE/lib/alloc_sites.py" "$OUT/stacks.txt" "$per_request" "${STACKS_DEPTH:-2}" | tee "$OUT/sites.txt"

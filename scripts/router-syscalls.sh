@@ -33,7 +33,7 @@ start_bench_fleet "$BIN" "$TOKENIZER" "$OUT"
 
 CALLS=(epoll_wait recvfrom writev poll sendto futex sched_yield)
 EVENTS=$(printf 'syscalls:sys_enter_%s,' "${CALLS[@]}")raw_syscalls:sys_enter
-bench_count sys -e "$EVENTS"
+bench_count sys stat -x, -o "$OUT/perf.csv" -e "$EVENTS"
 echo "binary: $BIN"
 echo "requests: $REQUESTS (wrk, 32 connections, $DURATION)"
 awk -F, -v n="$REQUESTS" '$3 ~ /sys_enter/ {

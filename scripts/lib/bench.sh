@@ -45,14 +45,15 @@ start_bench_fleet() {
   done
 }
 
-# bench_count TAG PERF_STAT_ARGS...: wrk at 32 connections with the developers' workload for
-# WARMUP, then for DURATION with `perf stat -x, PERF_STAT_ARGS -p ROUTER_PID` counting into
-# OUT/perf.csv (wrk's report in OUT/wrk.txt). Sets REQUESTS, those wrk completed while counted.
+# bench_count TAG PERF_ARGS...: wrk at 32 connections with the developers' workload for
+# WARMUP, then for DURATION with `perf PERF_ARGS -p ROUTER_PID` attached to the router (a
+# `stat` or a `record`, writing where PERF_ARGS says; wrk's report in OUT/wrk.txt). Sets
+# REQUESTS, those wrk completed while perf was attached.
 bench_count() {
   local tag=$1 lua=$HERE/router-latency.lua perf_pid
   shift
   wrk -t2 -c32 -d"$WARMUP" -s "$lua" "$URL" -- completions bench 8 "${tag}w$$" 4000 >/dev/null
-  perf stat -x, "$@" -p "$ROUTER_PID" -o "$OUT/perf.csv" &
+  perf "$@" -p "$ROUTER_PID" &
   perf_pid=$!
   sleep 0.3
   wrk -t2 -c32 -d"$DURATION" -s "$lua" "$URL" -- completions bench 8 "${tag}m$$" 4000 >"$OUT/wrk.txt"
