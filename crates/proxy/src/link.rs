@@ -60,6 +60,8 @@ const MAX_SIZE_LINE: usize = 4096;
 struct Link {
     tcp: TcpStream,
     buf: BytesMut,
+    /// The request head being written, kept for the connection's next request.
+    head: Vec<u8>,
     idle_since: Instant,
 }
 
@@ -139,7 +141,7 @@ impl Links {
             None => self.connect(authority).await?,
         };
         let head_only = req.method() == Method::HEAD;
-        write_request(&link.tcp, authority, req).await?;
+        write_request(&link.tcp, &mut link.head, authority, req).await?;
         let (resp, framing, reusable) = read_head(&mut link, head_only).await?;
         let mut body = H1Body {
             link: Some(link),
@@ -261,6 +263,7 @@ impl Links {
         Ok(Link {
             tcp: self.dial(authority).await?,
             buf: BytesMut::with_capacity(READ_CHUNK),
+            head: Vec::with_capacity(512),
             idle_since: Instant::now(),
         })
     }
@@ -295,6 +298,7 @@ impl Links {
 /// `Content-Length` from the body) and body together.
 async fn write_request(
     tcp: &TcpStream,
+    head: &mut Vec<u8>,
     authority: &Authority,
     req: Request<Full<Bytes>>,
 ) -> Result<(), LinkError> {
@@ -304,7 +308,7 @@ async fn write_request(
         Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
         _ => Bytes::new(),
     };
-    let mut head = Vec::with_capacity(256 + body.len().min(64 * 1024));
+    head.clear();
     head.extend_from_slice(parts.method.as_str().as_bytes());
     head.push(b' ');
     let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
@@ -333,14 +337,12 @@ async fn write_request(
         let _ = write!(head, "content-length: {}\r\n", body.len());
     }
     head.extend_from_slice(b"\r\n");
-    // Small bodies go in the same buffer (one write, one segment); large ones after it.
-    if body.len() <= 64 * 1024 {
-        head.extend_from_slice(&body);
-        sock::write_all(tcp, &head).await?;
-    } else {
-        sock::write_all(tcp, &head).await?;
-        sock::write_all(tcp, &body).await?;
+    let sent = sock::write_all_vectored(tcp, [&head[..], &body[..]]).await;
+    // A head grown by unusually many or long headers is not kept for the connection's life.
+    if head.capacity() > 16 * 1024 {
+        *head = Vec::new();
     }
+    sent?;
     Ok(())
 }
 
