@@ -77,7 +77,9 @@ where
     // Created unpolled: it joins the timer wheel only if the body is not all there yet.
     let late = tokio::time::sleep_until(allowed(0));
     tokio::pin!(late);
-    let mut chunks: Vec<Bytes> = Vec::new();
+    // Most bodies are one frame (they came with the head): a list only from the second on.
+    let mut first: Option<Bytes> = None;
+    let mut more: Vec<Bytes> = Vec::new();
     let mut received = 0usize;
     loop {
         tokio::select! {
@@ -87,7 +89,11 @@ where
                 Some(Ok(frame)) => {
                     if let Ok(data) = frame.into_data() {
                         received += data.len();
-                        chunks.push(data);
+                        if first.is_none() {
+                            first = Some(data);
+                        } else {
+                            more.push(data);
+                        }
                     }
                 }
                 Some(Err(e)) if e.downcast_ref::<LengthLimitError>().is_some() => {
@@ -107,12 +113,13 @@ where
             }
         }
     }
-    let bytes = match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.pop().unwrap_or_default(),
-        _ => {
+    let bytes = match first {
+        None => Bytes::new(),
+        Some(only) if more.is_empty() => only,
+        Some(head) => {
             let mut all = BytesMut::with_capacity(received);
-            for c in chunks {
+            all.extend_from_slice(&head);
+            for c in more {
                 all.extend_from_slice(&c);
             }
             all.freeze()
@@ -187,5 +194,28 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(b.len(), 100);
+    }
+
+    #[tokio::test]
+    async fn frames_are_joined_in_order_and_a_single_frame_is_not_copied() {
+        let parts = ["{\"a\":", "", "[1,", "2]}"];
+        let s = futures_util::stream::iter(parts)
+            .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p.as_bytes())));
+        let req = Request::new(Body::from_stream(s));
+        let (_, b) = read_within(100, Duration::from_secs(1), 0, req)
+            .await
+            .unwrap();
+        assert_eq!(&b[..], b"{\"a\":[1,2]}");
+
+        let one = Bytes::from_static(b"{\"prompt\":\"x\"}");
+        let req = Request::new(http_body_util::Full::new(one.clone()));
+        let (_, b) = read_within(100, Duration::from_secs(1), 0, req)
+            .await
+            .unwrap();
+        assert_eq!(
+            b.as_ptr(),
+            one.as_ptr(),
+            "one frame is handed on as it came"
+        );
     }
 }
