@@ -519,11 +519,7 @@ async fn write_response(
     if no_body {
         return sock::write_all(&socket.tcp, out).await.is_ok() && !close;
     }
-    let body_ok = match length {
-        Some(n) => write_sized(socket, buf, out, body, n).await,
-        None => write_chunked(socket, buf, out, body).await,
-    };
-    body_ok && !close
+    write_body(socket, buf, out, body, length).await && !close
 }
 
 /// The body's next frame: at once if it is ready; otherwise `out` is written first, then the
@@ -544,13 +540,16 @@ async fn next_frame(
 }
 
 /// Appends the body's frames to `out`, writing whenever the next one is not ready yet (and
-/// watching for the client leaving while it waits); the body must be exactly `n` bytes.
-async fn write_sized(
+/// watching for the client leaving while it waits): as they are when the body is `Some(n)`
+/// bytes (exactly: more is cut at `n` and ends the connection, fewer fails it), else each a
+/// chunk, then the last chunk. A broken body ends without the last chunk (or short), so the
+/// client sees it did not end. Whether the body went out whole.
+async fn write_body(
     socket: &Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
     mut body: axum::body::Body,
-    n: u64,
+    length: Option<u64>,
 ) -> bool {
     let tcp = &socket.tcp;
     let mut sent = 0u64;
@@ -560,43 +559,21 @@ async fn write_sized(
         };
         match next {
             Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    sent += data.len() as u64;
-                    if sent > n {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                sent += data.len() as u64;
+                match length {
+                    Some(n) if sent > n => {
                         // More than declared: what was declared goes out, then the connection ends.
                         let over = (sent - n) as usize;
                         out.extend_from_slice(&data[..data.len() - over]);
                         let _ = sock::write_all(tcp, out).await;
                         return false;
                     }
-                    out.extend_from_slice(&data);
-                }
-            }
-            Some(Err(_)) => {
-                let _ = sock::write_all(tcp, out).await;
-                return false;
-            }
-            None => return sock::write_all(tcp, out).await.is_ok() && sent == n,
-        }
-    }
-}
-
-/// The same with chunked framing: each data frame a chunk, the last chunk at the end.
-async fn write_chunked(
-    socket: &Socket,
-    buf: &mut BytesMut,
-    out: &mut Vec<u8>,
-    mut body: axum::body::Body,
-) -> bool {
-    let tcp = &socket.tcp;
-    loop {
-        let Some(next) = next_frame(socket, buf, out, &mut body).await else {
-            return false;
-        };
-        match next {
-            Some(Ok(frame)) => {
-                if let Ok(data) = frame.into_data() {
-                    if !data.is_empty() {
+                    Some(_) => out.extend_from_slice(&data),
+                    None if data.is_empty() => {}
+                    None => {
                         let mut hex = [0u8; 16];
                         out.extend_from_slice(hex_len(data.len(), &mut hex));
                         out.extend_from_slice(b"\r\n");
@@ -605,14 +582,15 @@ async fn write_chunked(
                     }
                 }
             }
-            // A broken stream: no last chunk, so the client sees it did not end.
             Some(Err(_)) => {
                 let _ = sock::write_all(tcp, out).await;
                 return false;
             }
             None => {
-                out.extend_from_slice(b"0\r\n\r\n");
-                return sock::write_all(tcp, out).await.is_ok();
+                if length.is_none() {
+                    out.extend_from_slice(b"0\r\n\r\n");
+                }
+                return sock::write_all(tcp, out).await.is_ok() && length.is_none_or(|n| sent == n);
             }
         }
     }
