@@ -125,7 +125,7 @@ impl Template {
             parent_block_hash: Some(HashValue::Int(placeholder(100))),
             token_ids: tokens,
             block_size: BLOCK_SIZE as u32,
-            medium: Some("GPU".to_owned()),
+            medium: Some("GPU".into()),
             group_idx: Some(0),
             kv_cache_spec_kind: Some("full_attention".to_owned()),
             ..BlockStored::default()
@@ -133,7 +133,7 @@ impl Template {
         events.extend((0..PER_STEP as u64).map(|j| {
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![HashValue::Int(placeholder(200 + j))],
-                medium: Some("GPU".to_owned()),
+                medium: Some("GPU".into()),
                 group_idx: Some(0),
                 ..BlockRemoved::default()
             })

@@ -319,7 +319,7 @@ pub fn stored(hashes: &[u64], parent: Option<u64>) -> KvEventBatch {
         parent_block_hash: parent.map(HashValue::Int),
         token_ids: vec![1; hashes.len() * 16],
         block_size: 16,
-        medium: Some("GPU".to_owned()),
+        medium: Some("GPU".into()),
         group_idx: Some(0),
         kv_cache_spec_kind: Some("full_attention".to_owned()),
         ..BlockStored::default()
@@ -334,7 +334,7 @@ pub fn removed(hashes: &[u64]) -> KvEventBatch {
         .map(|h| {
             KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![HashValue::Int(*h)],
-                medium: Some("GPU".to_owned()),
+                medium: Some("GPU".into()),
                 group_idx: Some(0),
                 ..BlockRemoved::default()
             })

@@ -31,7 +31,7 @@ fn counts(gpu: u32, cpu: u32, storage: u32, any: u32) -> TierCounts {
 fn stored(hashes: &[BlockHash], medium: Option<&str>, group: Option<u32>) -> KvEvent {
     KvEvent::BlockStored(BlockStored {
         block_hashes: hashes.iter().map(|h| HashValue::Int(h.0)).collect(),
-        medium: medium.map(str::to_owned),
+        medium: medium.map(|m| m.to_owned().into()),
         group_idx: group,
         block_size: 16,
         ..BlockStored::default()
@@ -41,7 +41,7 @@ fn stored(hashes: &[BlockHash], medium: Option<&str>, group: Option<u32>) -> KvE
 fn removed(hashes: &[BlockHash], medium: Option<&str>, group: Option<u32>) -> KvEvent {
     KvEvent::BlockRemoved(BlockRemoved {
         block_hashes: hashes.iter().map(|h| HashValue::Int(h.0)).collect(),
-        medium: medium.map(str::to_owned),
+        medium: medium.map(|m| m.to_owned().into()),
         group_idx: group,
         ..BlockRemoved::default()
     })

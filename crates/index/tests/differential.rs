@@ -329,8 +329,8 @@ impl Gen {
     }
 }
 
-fn medium(tier: Option<Tier>) -> Option<String> {
-    Some(tier.map_or("TAPE", Tier::as_str).to_owned())
+fn medium(tier: Option<Tier>) -> Option<std::borrow::Cow<'static, str>> {
+    Some(tier.map_or("TAPE", Tier::as_str).into())
 }
 
 fn as_event(op: &Op) -> KvEvent {

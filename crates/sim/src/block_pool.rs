@@ -248,7 +248,7 @@ impl BlockPool {
                 token_ids: info.tokens.to_vec(),
                 block_size: u32::try_from(info.block_size).unwrap_or(u32::MAX),
                 lora_id: info.lora_id,
-                medium: Some(MEDIUM_GPU.to_string()),
+                medium: Some(MEDIUM_GPU.into()),
                 lora_name: info.lora_name,
                 extra_keys: Some(info.extra_keys),
                 group_idx: Some(0),
@@ -312,7 +312,7 @@ impl BlockPool {
         if removed && self.events.enabled {
             self.queue.push(KvEvent::BlockRemoved(BlockRemoved {
                 block_hashes: vec![digest.to_hash_value(self.events.hash_form)],
-                medium: Some(MEDIUM_GPU.to_string()),
+                medium: Some(MEDIUM_GPU.into()),
                 group_idx: Some(0),
                 ..BlockRemoved::default()
             }));

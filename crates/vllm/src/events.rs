@@ -4,6 +4,8 @@
 //! the distinction between "absent" and "present" only where vLLM's encoder does (see the codec),
 //! so a decoded 0.34 batch re-encodes to the same bytes.
 
+use std::borrow::Cow;
+
 use crate::ids::{BlockHash, Tier};
 
 pub mod codec;
@@ -68,7 +70,9 @@ pub struct BlockStored {
     pub token_ids: Vec<u32>,
     pub block_size: u32,
     pub lora_id: Option<i64>,
-    pub medium: Option<String>,
+    /// vLLM's own values ("GPU", "CPU", ...) are borrowed: every event carries one, and the
+    /// router decodes every event of every replica.
+    pub medium: Option<Cow<'static, str>>,
     pub lora_name: Option<String>,
     /// One entry per block; `None` for a block without extra keys.
     pub extra_keys: Option<Vec<Option<Vec<ExtraKeyItem>>>>,
@@ -87,7 +91,8 @@ pub struct BlockStored {
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct BlockRemoved {
     pub block_hashes: Vec<HashValue>,
-    pub medium: Option<String>,
+    /// As [`BlockStored::medium`].
+    pub medium: Option<Cow<'static, str>>,
     pub group_idx: Option<u32>,
     pub locality: Option<String>,
     pub ownership: Option<String>,

@@ -179,7 +179,7 @@ fn set_stored_field(s: &mut BlockStored, key: &str, v: &Value) {
         "token_ids" => s.token_ids = j_arr(v).iter().map(j_u32).collect(),
         "block_size" => s.block_size = j_u32(v),
         "lora_id" => s.lora_id = j_opt(v, |v| v.as_i64().unwrap()),
-        "medium" => s.medium = j_opt(v, j_str),
+        "medium" => s.medium = j_opt(v, |v| j_str(v).into()),
         "lora_name" => s.lora_name = j_opt(v, j_str),
         "extra_keys" => {
             s.extra_keys = j_opt(v, |v| {
@@ -210,7 +210,7 @@ fn set_stored_field(s: &mut BlockStored, key: &str, v: &Value) {
 fn set_removed_field(s: &mut BlockRemoved, key: &str, v: &Value) {
     match key {
         "block_hashes" => s.block_hashes = j_arr(v).iter().map(j_hash).collect(),
-        "medium" => s.medium = j_opt(v, j_str),
+        "medium" => s.medium = j_opt(v, |v| j_str(v).into()),
         "group_idx" => s.group_idx = j_opt(v, j_u32),
         "locality" => s.locality = j_opt(v, j_str),
         "ownership" => s.ownership = j_opt(v, j_str),

@@ -5,6 +5,8 @@
 //! or the whole decode fails; buffers are sized by header counts that the reader has already
 //! checked against the bytes left.
 
+use std::borrow::Cow;
+
 use rmp::Marker;
 
 use super::reader::{Int, Reader};
@@ -263,7 +265,7 @@ fn stored_field(r: &mut Reader<'_>, key: &[u8], s: &mut BlockStored) -> Result<b
         b"token_ids" => s.token_ids = u32s(r, "token_ids")?,
         b"block_size" => s.block_size = r.u32("block_size")?,
         b"lora_id" => s.lora_id = opt(r, |r| r.i64("lora_id"))?,
-        b"medium" => s.medium = opt_string(r, "medium")?,
+        b"medium" => s.medium = opt(r, medium)?,
         b"lora_name" => s.lora_name = opt_string(r, "lora_name")?,
         b"extra_keys" => s.extra_keys = opt(r, extra_keys)?,
         b"group_idx" => s.group_idx = opt(r, |r| r.u32("group_idx"))?,
@@ -287,13 +289,28 @@ fn removed_field(
 ) -> Result<bool, DecodeError> {
     match key {
         b"block_hashes" => s.block_hashes = hashes(r, "block_hashes")?,
-        b"medium" => s.medium = opt_string(r, "medium")?,
+        b"medium" => s.medium = opt(r, medium)?,
         b"group_idx" => s.group_idx = opt(r, |r| r.u32("group_idx"))?,
         b"locality" => s.locality = opt_string(r, "locality")?,
         b"ownership" => s.ownership = opt_string(r, "ownership")?,
         _ => return Ok(false),
     }
     Ok(true)
+}
+
+/// A medium: vLLM's known values without an allocation, any other as sent (the bytes are kept
+/// either way, so re-encoding is exact).
+fn medium(r: &mut Reader<'_>) -> Result<Cow<'static, str>, DecodeError> {
+    let m = r.str("medium")?;
+    Ok(
+        match ["GPU", "CPU", "STORAGE", "DISK"]
+            .into_iter()
+            .find(|k| *k == m)
+        {
+            Some(known) => Cow::Borrowed(known),
+            None => Cow::Owned(m.to_owned()),
+        },
+    )
 }
 
 /// `None` for nil, else the value `f` reads.

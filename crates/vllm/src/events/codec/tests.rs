@@ -527,3 +527,39 @@ fn removed_and_cleared_use_fixmaps_and_rank_none_is_nil() {
         .concat()
     );
 }
+
+/// vLLM's media decode without an allocation, any other as sent; both re-encode to the bytes
+/// they came from.
+#[test]
+fn known_media_are_borrowed_and_every_medium_round_trips() {
+    use std::borrow::Cow;
+    for (medium, known) in [
+        ("GPU", true),
+        ("CPU", true),
+        ("STORAGE", true),
+        ("DISK", true),
+        ("gpu", false),
+        ("NVMe-tier-2", false),
+        ("", false),
+    ] {
+        let bytes = one_event(
+            KvEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![HashValue::Int(9)],
+                medium: Some(medium.to_owned().into()),
+                ..BlockRemoved::default()
+            }),
+            None,
+        );
+        let batch = decode_batch(&bytes).unwrap();
+        let KvEvent::BlockRemoved(r) = &batch.events[0] else {
+            panic!("{medium}: not a removal")
+        };
+        assert_eq!(r.medium.as_deref(), Some(medium));
+        assert_eq!(
+            matches!(r.medium, Some(Cow::Borrowed(_))),
+            known,
+            "{medium}"
+        );
+        assert_eq!(encode_batch(&batch), bytes, "{medium}");
+    }
+}
