@@ -127,7 +127,7 @@ impl Template {
             block_size: BLOCK_SIZE as u32,
             medium: Some("GPU".into()),
             group_idx: Some(0),
-            kv_cache_spec_kind: Some("full_attention".to_owned()),
+            kv_cache_spec_kind: Some("full_attention".into()),
             ..BlockStored::default()
         })];
         events.extend((0..PER_STEP as u64).map(|j| {

@@ -321,7 +321,7 @@ pub fn stored(hashes: &[u64], parent: Option<u64>) -> KvEventBatch {
         block_size: 16,
         medium: Some("GPU".into()),
         group_idx: Some(0),
-        kv_cache_spec_kind: Some("full_attention".to_owned()),
+        kv_cache_spec_kind: Some("full_attention".into()),
         ..BlockStored::default()
     };
     batch(vec![KvEvent::BlockStored(stored)])

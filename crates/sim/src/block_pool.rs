@@ -252,7 +252,7 @@ impl BlockPool {
                 lora_name: info.lora_name,
                 extra_keys: Some(info.extra_keys),
                 group_idx: Some(0),
-                kv_cache_spec_kind: Some(SPEC_KIND_FULL_ATTENTION.to_string()),
+                kv_cache_spec_kind: Some(SPEC_KIND_FULL_ATTENTION.into()),
                 map_header: self.events.map_header,
                 ..BlockStored::default()
             }));

@@ -77,7 +77,8 @@ pub struct BlockStored {
     /// One entry per block; `None` for a block without extra keys.
     pub extra_keys: Option<Vec<Option<Vec<ExtraKeyItem>>>>,
     pub group_idx: Option<u32>,
-    pub kv_cache_spec_kind: Option<String>,
+    /// As `medium`: vLLM's known kinds borrowed, any other kept as sent.
+    pub kv_cache_spec_kind: Option<Cow<'static, str>>,
     pub kv_cache_spec_sliding_window: Option<u32>,
     pub locality: Option<String>,
     pub ownership: Option<String>,

@@ -190,7 +190,7 @@ fn set_stored_field(s: &mut BlockStored, key: &str, v: &Value) {
             })
         }
         "group_idx" => s.group_idx = j_opt(v, j_u32),
-        "kv_cache_spec_kind" => s.kv_cache_spec_kind = j_opt(v, j_str),
+        "kv_cache_spec_kind" => s.kv_cache_spec_kind = j_opt(v, |v| j_str(v).into()),
         "kv_cache_spec_sliding_window" => s.kv_cache_spec_sliding_window = j_opt(v, j_u32),
         "locality" => s.locality = j_opt(v, j_str),
         "ownership" => s.ownership = j_opt(v, j_str),

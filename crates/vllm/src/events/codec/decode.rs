@@ -265,11 +265,13 @@ fn stored_field(r: &mut Reader<'_>, key: &[u8], s: &mut BlockStored) -> Result<b
         b"token_ids" => s.token_ids = u32s(r, "token_ids")?,
         b"block_size" => s.block_size = r.u32("block_size")?,
         b"lora_id" => s.lora_id = opt(r, |r| r.i64("lora_id"))?,
-        b"medium" => s.medium = opt(r, medium)?,
+        b"medium" => s.medium = opt(r, |r| known_or_owned(r, "medium", MEDIA))?,
         b"lora_name" => s.lora_name = opt_string(r, "lora_name")?,
         b"extra_keys" => s.extra_keys = opt(r, extra_keys)?,
         b"group_idx" => s.group_idx = opt(r, |r| r.u32("group_idx"))?,
-        b"kv_cache_spec_kind" => s.kv_cache_spec_kind = opt_string(r, "kv_cache_spec_kind")?,
+        b"kv_cache_spec_kind" => {
+            s.kv_cache_spec_kind = opt(r, |r| known_or_owned(r, "kv_cache_spec_kind", SPEC_KINDS))?
+        }
         b"kv_cache_spec_sliding_window" => {
             s.kv_cache_spec_sliding_window = opt(r, |r| r.u32("kv_cache_spec_sliding_window"))?
         }
@@ -289,7 +291,7 @@ fn removed_field(
 ) -> Result<bool, DecodeError> {
     match key {
         b"block_hashes" => s.block_hashes = hashes(r, "block_hashes")?,
-        b"medium" => s.medium = opt(r, medium)?,
+        b"medium" => s.medium = opt(r, |r| known_or_owned(r, "medium", MEDIA))?,
         b"group_idx" => s.group_idx = opt(r, |r| r.u32("group_idx"))?,
         b"locality" => s.locality = opt_string(r, "locality")?,
         b"ownership" => s.ownership = opt_string(r, "ownership")?,
@@ -298,20 +300,23 @@ fn removed_field(
     Ok(true)
 }
 
-/// A medium: vLLM's known values without an allocation, any other as sent (the bytes are kept
-/// either way, so re-encoding is exact).
-fn medium(r: &mut Reader<'_>) -> Result<Cow<'static, str>, DecodeError> {
-    let m = r.str("medium")?;
-    Ok(
-        match ["GPU", "CPU", "STORAGE", "DISK"]
-            .into_iter()
-            .find(|k| *k == m)
-        {
-            Some(known) => Cow::Borrowed(known),
-            None => Cow::Owned(m.to_owned()),
-        },
-    )
+/// A string field with a few values vLLM sends on every event (a medium, a cache spec's kind):
+/// those without an allocation, any other as sent (the text is kept either way, so
+/// re-encoding is exact).
+fn known_or_owned(
+    r: &mut Reader<'_>,
+    field: &'static str,
+    known: &[&'static str],
+) -> Result<Cow<'static, str>, DecodeError> {
+    let v = r.str(field)?;
+    Ok(match known.iter().find(|k| **k == v) {
+        Some(k) => Cow::Borrowed(k),
+        None => Cow::Owned(v.to_owned()),
+    })
 }
+
+const MEDIA: &[&str] = &["GPU", "CPU", "STORAGE", "DISK"];
+const SPEC_KINDS: &[&str] = &["full_attention", "sliding_window"];
 
 /// `None` for nil, else the value `f` reads.
 fn opt<'a, T>(

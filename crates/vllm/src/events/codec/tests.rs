@@ -528,10 +528,10 @@ fn removed_and_cleared_use_fixmaps_and_rank_none_is_nil() {
     );
 }
 
-/// vLLM's media decode without an allocation, any other as sent; both re-encode to the bytes
-/// they came from.
+/// vLLM's media and cache-spec kinds decode without an allocation, any other as sent; both
+/// re-encode to the bytes they came from.
 #[test]
-fn known_media_are_borrowed_and_every_medium_round_trips() {
+fn known_media_and_kinds_are_borrowed_and_every_value_round_trips() {
     use std::borrow::Cow;
     for (medium, known) in [
         ("GPU", true),
@@ -561,5 +561,29 @@ fn known_media_are_borrowed_and_every_medium_round_trips() {
             "{medium}"
         );
         assert_eq!(encode_batch(&batch), bytes, "{medium}");
+    }
+    for (kind, known) in [
+        ("full_attention", true),
+        ("sliding_window", true),
+        ("mamba", false),
+    ] {
+        let stored = BlockStored {
+            block_hashes: vec![HashValue::Int(9)],
+            token_ids: vec![1; 16],
+            block_size: 16,
+            medium: Some("GPU".into()),
+            kv_cache_spec_kind: Some(kind.to_owned().into()),
+            ..BlockStored::default()
+        };
+        let bytes = one_event(KvEvent::BlockStored(stored), None);
+        let batch = decode_batch(&bytes).unwrap();
+        let s = stored_of(&batch.events[0]);
+        assert_eq!(s.kv_cache_spec_kind.as_deref(), Some(kind));
+        assert_eq!(
+            matches!(s.kv_cache_spec_kind, Some(Cow::Borrowed(_))),
+            known,
+            "{kind}"
+        );
+        assert_eq!(encode_batch(&batch), bytes, "{kind}");
     }
 }
