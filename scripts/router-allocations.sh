@@ -10,8 +10,9 @@
 #
 # With STACKS=1, a second run then records the allocations and reallocations with their call
 # stacks (perf record --call-graph dwarf on the same probes) and prints the data-plane threads'
-# per request by allocation site: the first STACKS_DEPTH frames (default 2) that are not the
-# allocator, the standard library or the collections (scripts/lib/alloc_sites.py).
+# per request by allocation site, then the other threads': the first STACKS_DEPTH frames
+# (default 2) that are not the allocator, the standard library or the collections
+# (scripts/lib/alloc_sites.py).
 #
 # Needs perf with uprobe access (root), wrk and curl (and python3 for STACKS=1); the probes are
 # removed on exit.
@@ -81,6 +82,7 @@ awk -F, -v n="$REQUESTS" '
 SITES=()
 for event in "${PROBES[@]}"; do [ "${KIND[$event]}" = free ] || SITES+=("$event"); done
 bench_count als record -q -m 8192 -o "$OUT/perf.data" --call-graph dwarf,16384 -e "$(IFS=,; echo "${SITES[*]}")"
-per_request=$(awk '/^data-plane threads/ {print $4 + $6}' "$OUT/allocations.txt")
+per_request() { awk -v t="$1" '$0 ~ "^" t " threads" {print $4 + $6}' "$OUT/allocations.txt"; }
 perf script -i "$OUT/perf.data" -F comm,ip,sym 2>/dev/null >"$OUT/stacks.txt"
-python3 "$HERE/lib/alloc_sites.py" "$OUT/stacks.txt" "$per_request" "${STACKS_DEPTH:-2}" | tee "$OUT/sites.txt"
+python3 "$HERE/lib/alloc_sites.py" "$OUT/stacks.txt" "$(per_request data-plane)" "$(per_request other)" \
+  "${STACKS_DEPTH:-2}" | tee "$OUT/sites.txt"

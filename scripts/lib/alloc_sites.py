@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Allocation sites per request from `perf script -F comm,ip,sym` of allocator probes.
 
-usage: alloc_sites.py STACKS_TXT PER_REQUEST [DEPTH]
+usage: alloc_sites.py STACKS_TXT DATA_PER_REQUEST OTHER_PER_REQUEST [DEPTH]
 
-Counts the stacks of the data-plane threads (kinf-data-*) by their first DEPTH frames that are
-not the allocator, the standard library, the collections or `bytes` (the code that asked for
-the memory), and prints each site's share of them times PER_REQUEST (the allocations per
-request counted without stacks: perf drops stacks, at random with respect to the site), most
-first.
+Counts the stacks of the data-plane threads (kinf-data-*), then those of the other threads
+(KV events, scrapes), by their first DEPTH frames that are not the allocator, the standard
+library, the collections or `bytes` (the code that asked for the memory), and prints each
+site's share of its group times the group's allocations per request (counted without stacks:
+perf drops stacks, at random with respect to the site), most first.
 """
 import collections
 import re
@@ -39,24 +39,25 @@ def stacks(path):
 
 
 def main():
-    if len(sys.argv) < 3:
+    if len(sys.argv) < 4:
         sys.exit(__doc__)
-    path, per_request = sys.argv[1], float(sys.argv[2])
-    depth = int(sys.argv[3]) if len(sys.argv) > 3 else 2
-    sites = collections.Counter()
-    total = 0
+    path = sys.argv[1]
+    per_request = {"data-plane": float(sys.argv[2]), "other": float(sys.argv[3])}
+    depth = int(sys.argv[4]) if len(sys.argv) > 4 else 2
+    sites = {group: collections.Counter() for group in per_request}
     for comm, frames in stacks(path):
-        if not comm.startswith("kinf-data-"):
-            continue
-        total += 1
+        group = "data-plane" if comm.startswith("kinf-data-") else "other"
         own = [f for f in frames if not SKIP.match(f)]
         key = " <- ".join(own[:depth]) if own else (frames[-1] if frames else "?")
-        sites[key] += 1
-    if total == 0:
+        sites[group][key] += 1
+    if not sites["data-plane"]:
         sys.exit("alloc_sites.py: no data-plane stacks were recorded")
-    print(f"{total} data-plane stacks recorded; {per_request:.1f} allocations and reallocations per request")
-    for key, n in sites.most_common(40):
-        print(f"{per_request * n / total:7.2f}  {key}")
+    for group, counted in sites.items():
+        total = sum(counted.values())
+        print(f"{group} threads: {total} stacks recorded; "
+              f"{per_request[group]:.1f} allocations and reallocations per request")
+        for key, n in counted.most_common(40 if group == "data-plane" else 15):
+            print(f"{per_request[group] * n / max(total, 1):7.2f}  {key}")
 
 
 if __name__ == "__main__":
