@@ -245,39 +245,10 @@ async fn router_sends_a_shared_prefix_to_the_replica_that_caches_it() {
     }
     // A publisher that connects drops what it publishes before the router's subscription has
     // reached it (ZMQ's slow joiner), and a shared endpoint cannot show which publishers are
-    // connected. Prime each stream with short requests straight to its replica until the router
-    // holds one of its messages, applied (replay fills what the first ones missed).
-    let warm = reqwest::Client::new();
-    for (i, s) in servers.iter().enumerate().filter(|_| shared) {
-        for attempt in 1.. {
-            let text = format!("Warm-up {i}.{attempt}: ")
-                + &"the router listens for this replica's KV events. ".repeat(6);
-            let resp = warm
-                .post(format!("{}/v1/completions", s.url))
-                .json(&completion(&text))
-                .send()
-                .await
-                .unwrap_or_else(|e| panic!("warm-up request to {}: {e}", s.url));
-            assert!(resp.status().is_success(), "warm-up: {}", resp.status());
-            let seen = proxy
-                .wait_for_events(&s.url, 0, Duration::from_secs(5), |h| {
-                    h.messages > 0
-                        && !h.stale
-                        && h.applied_seq.is_some()
-                        && h.applied_seq == h.last_seq
-                })
-                .await;
-            if seen.is_ok() {
-                println!("events of {} arriving on the shared endpoint after {attempt} warm-up request(s)", s.url);
-                break;
-            }
-            assert!(
-                attempt < 12,
-                "{}'s events never reached the router on {}",
-                s.url,
-                s.events
-            );
-        }
+    // connected: each stream is primed until the router holds one of its messages, applied.
+    for s in &servers {
+        let n = kinference_testkit::sim::prime_events(&proxy, &s.url, MODEL).await;
+        println!("events of {} arriving after {n} priming request(s)", s.url);
     }
     let status = wait_scraped_idle(&proxy).await;
     for r in &status.pools[0].replicas {

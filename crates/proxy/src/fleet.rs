@@ -788,6 +788,7 @@ pub(crate) async fn build(
             };
             models.insert(n.clone(), (pi, Some(lora)));
         }
+        metrics.open_pool(&pc.display_name());
         let queued = metrics.limits.queued.get_or_create(&QueueLabel {
             pool: pc.display_name(),
         });

@@ -299,7 +299,40 @@ struct PoolUsage {
 
 type GpuSeconds = Counter<f64, AtomicU64>;
 
+/// A scrape tick's outcome: the `kind` of `kinference_replica_scrapes_total`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Tick {
+    Ok,
+    Failed,
+    /// Skipped: the replica was quiet.
+    Idle,
+}
+
+impl Tick {
+    const ALL: [Tick; 3] = [Tick::Ok, Tick::Failed, Tick::Idle];
+
+    pub(crate) fn label(self) -> &'static str {
+        match self {
+            Tick::Ok => "ok",
+            Tick::Failed => "failed",
+            Tick::Idle => "idle",
+        }
+    }
+}
+
 impl Metrics {
+    /// Creates `pool`'s series whose label values are all known ahead, at zero, so that the
+    /// pool's page has its shape from the start: a counter that first appears at its first
+    /// increment reads as absent, not as a rise from 0, to `rate()` and to alerts.
+    pub(crate) fn open_pool(&self, pool: &str) {
+        for tick in Tick::ALL {
+            let _ = self.scrapes.get_or_create(&PoolKind {
+                pool: pool.to_owned(),
+                kind: tick.label(),
+            });
+        }
+    }
+
     pub fn new() -> Self {
         Metrics {
             requests: ReplicaFamily::new(Family::default()),

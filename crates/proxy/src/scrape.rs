@@ -23,6 +23,7 @@ use kinference_vllm::{BlockHasher, RequestExtras};
 
 use crate::api::CacheConfigStatus;
 use crate::fleet::{Fleet, Pool, Replica, Rules};
+use crate::metrics::Tick;
 
 /// What one scrape found, per vLLM engine (`engine` label = DP rank).
 #[derive(Clone, Debug, Default, PartialEq)]
@@ -385,37 +386,19 @@ async fn scrape_now(
     (last, at)
 }
 
-/// A scrape tick's outcome.
-#[derive(Clone, Copy, Debug)]
-enum Tick {
-    Ok,
-    Failed,
-    /// Skipped: the replica was quiet.
-    Idle,
-}
-
 /// Counts one scrape tick of `replica`, in its status and in the pool's metric.
 fn count(fleet: &Fleet, pool: &Pool, replica: &Replica, tick: Tick) {
-    let kind = {
+    {
         let c = &mut replica.info.lock().scrapes;
         match tick {
-            Tick::Ok => {
-                c.ok += 1;
-                "ok"
-            }
-            Tick::Failed => {
-                c.failed += 1;
-                "failed"
-            }
-            Tick::Idle => {
-                c.idle += 1;
-                "idle"
-            }
+            Tick::Ok => c.ok += 1,
+            Tick::Failed => c.failed += 1,
+            Tick::Idle => c.idle += 1,
         }
-    };
+    }
     let labels = crate::metrics::PoolKind {
         pool: pool.name.clone(),
-        kind,
+        kind: tick.label(),
     };
     fleet.metrics.scrapes.get_or_create(&labels).inc();
 }

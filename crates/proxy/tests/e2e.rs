@@ -1452,17 +1452,15 @@ async fn an_h2c_replica_is_spoken_to_with_http2() {
         .unwrap_or_else(|st| panic!("never scraped over HTTP/2: {st:#?}"));
     let scraped = s.http2_requests();
     assert!(scraped > 0);
-    proxy
-        .wait_for_events(&url(s.addr), 0, WAIT, |h| h.connected)
-        .await
-        .unwrap();
+    sim::prime_events(&proxy, &url(s.addr), MODEL).await;
+    let before = proxy.status().pools[0].replicas[0].workers[0].index_entries;
 
     let body = json!({"model": MODEL, "prompt": prompt(1, "Why?"), "max_tokens": 4});
     let first = post(proxy.data_addr(), "/v1/completions", &body).await;
     assert_eq!(first.status, 200, "{}", first.body);
-    let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() / 32;
+    let blocks = first.json()["usage"]["prompt_tokens"].as_u64().unwrap() as usize / 32;
     proxy
-        .wait_for_events(&url(s.addr), 0, WAIT, |h| h.entries as u64 >= blocks)
+        .wait_for_events(&url(s.addr), 0, WAIT, |h| h.entries >= before + blocks)
         .await
         .unwrap();
     let next = json!({"model": MODEL, "prompt": prompt(1, "How?"), "max_tokens": 4});

@@ -51,3 +51,52 @@ pub fn replica_with_events(server: &Server) -> kinference_proxy::ReplicaSpec {
     });
     r
 }
+
+/// Waits until `proxy` has applied a KV-event message from the replica at `url` (its first
+/// DP rank), sending it short completions of `model` straight (not through the router) until
+/// then; returns how many it sent.
+///
+/// A PUB drops what it publishes before it has read a subscriber's subscription (libzmq's
+/// "slow joiner"; vLLM's publisher is one), and the router counts a stream as connected once
+/// it has written its subscription: under load, the first batch after connecting can be lost,
+/// and a lost batch shows (as a gap, then replayed) only when a later one arrives. A test that
+/// needs the index to hold a request's blocks primes the stream first. Each completion's
+/// events get a few seconds, and it gives up after ten.
+#[cfg(feature = "proxy")]
+pub async fn prime_events(proxy: &kinference_proxy::Proxy, url: &str, model: &str) -> u32 {
+    let client = reqwest::Client::new();
+    let mut attempt = 0;
+    loop {
+        attempt += 1;
+        // Unlike any test's prompts from the first token, so no test's prefix is cached by it.
+        let prompt = format!("Priming {attempt} of {url}: ")
+            + &"the router listens for this replica's KV events. ".repeat(6);
+        let body = serde_json::json!({
+            "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0,
+        });
+        let resp = client
+            .post(format!("{url}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("priming request to {url}: {e}"));
+        let status = resp.status();
+        let text = resp.text().await.unwrap_or_default();
+        assert!(
+            status.is_success(),
+            "priming request to {url}: {status} {text}"
+        );
+        let applied = proxy
+            .wait_for_events(url, 0, std::time::Duration::from_secs(5), |h| {
+                h.messages > 0 && !h.stale && h.applied_seq.is_some() && h.applied_seq == h.last_seq
+            })
+            .await;
+        if applied.is_ok() {
+            return attempt;
+        }
+        assert!(
+            attempt < 10,
+            "{url}'s KV events never reached the router after {attempt} requests: {applied:?}"
+        );
+    }
+}
