@@ -57,19 +57,26 @@ pub enum Tier {
 impl Tier {
     pub const ALL: [Tier; 3] = [Tier::Gpu, Tier::Cpu, Tier::Storage];
 
-    /// vLLM's `medium` string. `None` means GPU: vLLM's own block pool always says "GPU", and
-    /// only offloading connectors name other media. Unknown media are `None` so callers can
-    /// count them instead of guessing.
+    /// The `medium` values vLLM and its offloading connectors send, as they spell them, with
+    /// the tier each names (the event decoder keeps these without an allocation).
+    pub const MEDIA: [(&'static str, Tier); 4] = [
+        ("GPU", Tier::Gpu),
+        ("CPU", Tier::Cpu),
+        ("STORAGE", Tier::Storage),
+        ("DISK", Tier::Storage),
+    ];
+
+    /// vLLM's `medium` string, in any case. `None` means GPU: vLLM's own block pool always
+    /// says "GPU", and only offloading connectors name other media. Unknown media are `None`
+    /// so callers can count them instead of guessing.
     pub fn from_medium(medium: Option<&str>) -> Option<Tier> {
-        match medium {
-            None => Some(Tier::Gpu),
-            Some(m) if m.eq_ignore_ascii_case("GPU") => Some(Tier::Gpu),
-            Some(m) if m.eq_ignore_ascii_case("CPU") => Some(Tier::Cpu),
-            Some(m) if m.eq_ignore_ascii_case("STORAGE") || m.eq_ignore_ascii_case("DISK") => {
-                Some(Tier::Storage)
-            }
-            Some(_) => None,
-        }
+        let Some(m) = medium else {
+            return Some(Tier::Gpu);
+        };
+        Tier::MEDIA
+            .iter()
+            .find(|(name, _)| m.eq_ignore_ascii_case(name))
+            .map(|&(_, tier)| tier)
     }
 
     pub fn as_str(self) -> &'static str {
@@ -109,6 +116,8 @@ mod tests {
         assert_eq!(Tier::from_medium(None), Some(Tier::Gpu));
         assert_eq!(Tier::from_medium(Some("CPU")), Some(Tier::Cpu));
         assert_eq!(Tier::from_medium(Some("STORAGE")), Some(Tier::Storage));
+        assert_eq!(Tier::from_medium(Some("disk")), Some(Tier::Storage));
+        assert_eq!(Tier::from_medium(Some("gpu")), Some(Tier::Gpu));
         assert_eq!(Tier::from_medium(Some("tape")), None);
     }
 }

@@ -14,6 +14,7 @@ use super::{stored_entries, DecodeError, DecodeStats, FIXMAP_MAX, MAX_EXTRA_KEY_
 use crate::events::{
     BlockRemoved, BlockStored, ExtraKeyItem, HashValue, KvEvent, KvEventBatch, MapHeader,
 };
+use crate::ids::Tier;
 
 /// `BlockStored` fields in declaration order, which is also the ≤ 0.23 array order.
 const STORED_FIELDS: [&[u8]; 15] = [
@@ -265,7 +266,7 @@ fn stored_field(r: &mut Reader<'_>, key: &[u8], s: &mut BlockStored) -> Result<b
         b"token_ids" => s.token_ids = u32s(r, "token_ids")?,
         b"block_size" => s.block_size = r.u32("block_size")?,
         b"lora_id" => s.lora_id = opt(r, |r| r.i64("lora_id"))?,
-        b"medium" => s.medium = opt(r, |r| known_or_owned(r, "medium", MEDIA))?,
+        b"medium" => s.medium = opt(r, |r| known_or_owned(r, "medium", media()))?,
         b"lora_name" => s.lora_name = opt_string(r, "lora_name")?,
         b"extra_keys" => s.extra_keys = opt(r, extra_keys)?,
         b"group_idx" => s.group_idx = opt(r, |r| r.u32("group_idx"))?,
@@ -291,7 +292,7 @@ fn removed_field(
 ) -> Result<bool, DecodeError> {
     match key {
         b"block_hashes" => s.block_hashes = hashes(r, "block_hashes")?,
-        b"medium" => s.medium = opt(r, |r| known_or_owned(r, "medium", MEDIA))?,
+        b"medium" => s.medium = opt(r, |r| known_or_owned(r, "medium", media()))?,
         b"group_idx" => s.group_idx = opt(r, |r| r.u32("group_idx"))?,
         b"locality" => s.locality = opt_string(r, "locality")?,
         b"ownership" => s.ownership = opt_string(r, "ownership")?,
@@ -306,17 +307,21 @@ fn removed_field(
 fn known_or_owned(
     r: &mut Reader<'_>,
     field: &'static str,
-    known: &[&'static str],
+    known: impl IntoIterator<Item = &'static str>,
 ) -> Result<Cow<'static, str>, DecodeError> {
     let v = r.str(field)?;
-    Ok(match known.iter().find(|k| **k == v) {
+    Ok(match known.into_iter().find(|k| *k == v) {
         Some(k) => Cow::Borrowed(k),
         None => Cow::Owned(v.to_owned()),
     })
 }
 
-const MEDIA: &[&str] = &["GPU", "CPU", "STORAGE", "DISK"];
-const SPEC_KINDS: &[&str] = &["full_attention", "sliding_window"];
+/// The media as vLLM spells them (exact text, so that re-encoding is byte for byte).
+fn media() -> impl Iterator<Item = &'static str> {
+    Tier::MEDIA.iter().map(|&(name, _)| name)
+}
+
+const SPEC_KINDS: [&str; 2] = ["full_attention", "sliding_window"];
 
 /// `None` for nil, else the value `f` reads.
 fn opt<'a, T>(
