@@ -3,6 +3,7 @@
 //! `/tokenize` with `prompt`). Every other field is ignored. Parsing never panics: bad JSON or a
 //! wrong shape is a [`TokenizeError::InvalidRequest`].
 
+use std::borrow::Cow;
 use std::fmt;
 
 use crate::json::{Json, Map};
@@ -60,8 +61,10 @@ pub struct ChatRequest {
 /// One message of a chat request.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `developer`, `user`, `assistant`, `tool`, or a custom role.
-    pub role: String,
+    /// `system`, `developer`, `user`, `assistant`, `tool` (kept without an allocation), or a
+    /// custom role (kept as sent).
+    #[serde(deserialize_with = "role")]
+    pub role: Cow<'static, str>,
     /// A string, a list of content parts, or absent/null.
     #[serde(default)]
     pub content: Option<MessageContent>,
@@ -93,6 +96,30 @@ pub enum MessageContent {
     Text(String),
     /// Content parts (`{"type": "text", "text": ...}`, ...), kept as JSON.
     Parts(Vec<Json>),
+}
+
+/// The roles of the OpenAI API: every message names one, so they are not allocated per message.
+const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+
+/// A message's role: one of [`ROLES`] borrowed, any other string owned.
+fn role<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Cow<'static, str>, D::Error> {
+    struct RoleVisitor;
+
+    impl Visitor<'_> for RoleVisitor {
+        type Value = Cow<'static, str>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a string")
+        }
+        fn visit_str<E>(self, v: &str) -> std::result::Result<Cow<'static, str>, E> {
+            Ok(match ROLES.iter().find(|r| **r == v) {
+                Some(r) => Cow::Borrowed(r),
+                None => Cow::Owned(v.to_owned()),
+            })
+        }
+    }
+
+    d.deserialize_str(RoleVisitor)
 }
 
 /// What `#[serde(untagged)]` accepted (a string, or an array of any JSON values), read in one
@@ -179,7 +206,7 @@ impl ChatMessage {
     /// A message with plain text content.
     pub fn text(role: &str, content: &str) -> Self {
         ChatMessage {
-            role: role.to_string(),
+            role: Cow::Owned(role.to_owned()),
             content: Some(MessageContent::Text(content.to_string())),
             name: None,
             tool_calls: None,
@@ -329,6 +356,38 @@ mod tests {
         let body = format!(r#"{{"messages": [{{"role": "user"{json}}}]}}"#);
         let mut req = ChatRequest::from_json(body.as_bytes())?;
         Ok(req.messages.pop().and_then(|m| m.content))
+    }
+
+    #[test]
+    fn known_roles_are_borrowed_and_any_other_is_kept_as_sent() {
+        let roles = |json: &str| -> Result<Vec<Cow<'static, str>>> {
+            let req = ChatRequest::from_json(format!(r#"{{"messages": {json}}}"#).as_bytes())?;
+            Ok(req.messages.into_iter().map(|m| m.role).collect())
+        };
+        let got = roles(
+            r#"[{"role": "system"}, {"role": "us\u0065r"}, {"role": "assistant"},
+                {"role": "tool"}, {"role": "developer"}, {"role": "User"}, {"role": "critic"}]"#,
+        )
+        .unwrap();
+        let want = [
+            "system",
+            "user",
+            "assistant",
+            "tool",
+            "developer",
+            "User",
+            "critic",
+        ];
+        assert_eq!(got, want);
+        let borrowed: Vec<bool> = got.iter().map(|r| matches!(r, Cow::Borrowed(_))).collect();
+        assert_eq!(borrowed, [true, true, true, true, true, false, false]);
+        for bad in [
+            r#"[{"role": 1}]"#,
+            r#"[{"role": null}]"#,
+            r#"[{"content": "hi"}]"#,
+        ] {
+            assert!(roles(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
