@@ -3,10 +3,11 @@
 # counted by uprobes on the binary's allocator (mimalloc's aligned entry points, which Rust's
 # global allocator calls), in the setup of scripts/router-syscalls.sh: 4 simulated replicas
 # with KV events on, the router with --policy precise in front, wrk at 32 connections with the
-# developers' workload. A warm-up of WARMUP, then DURATION counted. Prints allocations,
-# reallocations and frees per request for the data-plane threads (kinf-data-*) and the rest
-# (KV events, scrapes). A uprobe traps on every call, so the run serves far fewer requests per
-# second than an unprobed one; the counts per request are what it is for.
+# developers' workload (WORKLOAD=chat: router-latency.sh's real conversations). A warm-up of
+# WARMUP, then DURATION counted. Prints allocations, reallocations and frees per request for
+# the data-plane threads (kinf-data-*) and the rest (KV events, scrapes). A uprobe traps on
+# every call, so the run serves far fewer requests per second than an unprobed one; the counts
+# per request are what it is for.
 #
 # With STACKS=1, a second run then records the allocations and reallocations with their call
 # stacks (perf record --call-graph dwarf on the same probes) and prints the data-plane threads'
@@ -18,7 +19,8 @@
 # removed on exit.
 #
 # usage: scripts/router-allocations.sh BINARY
-# env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s RESULTS=target/router-allocations
+# env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s WORKLOAD=dev (or chat)
+#      RESULTS=target/router-allocations
 #      STACKS=1 STACKS_DEPTH=2
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac

@@ -3,14 +3,16 @@
 # counted by the kernel's syscall tracepoints (`perf stat`), in the setup of
 # scripts/router-latency.sh: 4 simulated replicas with KV events on (one `kinference sim`
 # process, --speedup 100000), the router with --policy precise in front, wrk at 32 connections
-# with the developers' workload (8 shared ~4,000-character prefixes and a unique tail). A
+# with the developers' workload (8 shared ~4,000-character prefixes and a unique tail;
+# WORKLOAD=chat: router-latency.sh's real conversations). A
 # warm-up of WARMUP, then DURATION counted. Prints each counted call per request and the total.
 #
 # Needs perf with access to the syscalls tracepoints (root, or kernel.perf_event_paranoid
 # low enough), wrk and curl.
 #
 # usage: scripts/router-syscalls.sh BINARY
-# env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s RESULTS=target/router-syscalls
+# env: TOKENIZER=../shared/data/tokenizers/llama3.1 WARMUP=3s DURATION=4s WORKLOAD=dev (or chat)
+#      RESULTS=target/router-syscalls
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 

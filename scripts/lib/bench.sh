@@ -4,19 +4,32 @@
 # port 0, and the run both make against it. Needs lib/proc.sh and lib/net.sh sourced first.
 
 # bench_setup NAME BINARY: the settings both scripts take (BIN made absolute; TOKENIZER,
-# WARMUP, DURATION, and OUT, a fresh directory under RESULTS or target/NAME) and a check that
-# perf, wrk and curl are there. Needs REPO.
+# WARMUP, DURATION, WORKLOAD, and OUT, a fresh directory under RESULTS or target/NAME) and a
+# check that perf, wrk and curl are there. WORKLOAD=dev (default) is router-latency.sh's
+# developers' workload, WORKLOAD=chat its real conversations (their bodies written to
+# OUT/chat-bodies.tsv by lib/chat_bodies.py, as router-latency.sh writes them). Needs REPO.
 bench_setup() {
   local name=$1 tool
   BIN=$(cd "$(dirname "$2")" && pwd)/$(basename "$2")
   TOKENIZER=${TOKENIZER:-$REPO/../shared/data/tokenizers/llama3.1}
   WARMUP=${WARMUP:-3s}
   DURATION=${DURATION:-4s}
+  WORKLOAD=${WORKLOAD:-dev}
   OUT=${RESULTS:-$REPO/target/$name}/$(date -u +%Y%m%d-%H%M%S)
   mkdir -p "$OUT"
   for tool in perf wrk curl; do
     command -v "$tool" >/dev/null || { echo "$name.sh: needs $tool" >&2; exit 1; }
   done
+  case $WORKLOAD in
+    dev) BENCH_MODE=completions CHAT_BODIES= ;;
+    chat)
+      BENCH_MODE=chat CHAT_BODIES=$OUT/chat-bodies.tsv
+      python3 "$REPO/scripts/lib/chat_bodies.py" \
+        "$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz" "$CHAT_BODIES" ||
+        { echo "$name.sh: could not write the chat requests" >&2; exit 1; }
+      ;;
+    *) echo "$name.sh: WORKLOAD must be dev or chat" >&2; exit 1 ;;
+  esac
 }
 
 # start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
@@ -45,18 +58,20 @@ start_bench_fleet() {
   done
 }
 
-# bench_count TAG PERF_ARGS...: wrk at 32 connections with the developers' workload for
-# WARMUP, then for DURATION with `perf PERF_ARGS -p ROUTER_PID` attached to the router (a
-# `stat` or a `record`, writing where PERF_ARGS says; wrk's report in OUT/wrk.txt). Sets
-# REQUESTS, those wrk completed while perf was attached.
+# bench_count TAG PERF_ARGS...: wrk at 32 connections with the WORKLOAD for WARMUP, then for
+# DURATION with `perf PERF_ARGS -p ROUTER_PID` attached to the router (a `stat` or a
+# `record`, writing where PERF_ARGS says; wrk's report in OUT/wrk.txt). Sets REQUESTS, those
+# wrk completed while perf was attached.
 bench_count() {
   local tag=$1 lua=$HERE/router-latency.lua perf_pid
   shift
-  wrk -t2 -c32 -d"$WARMUP" -s "$lua" "$URL" -- completions bench 8 "${tag}w$$" 4000 >/dev/null
+  CHAT_BODIES=$CHAT_BODIES wrk -t2 -c32 -d"$WARMUP" -s "$lua" "$URL" -- \
+    "$BENCH_MODE" bench 8 "${tag}w$$" 4000 >/dev/null
   perf "$@" -p "$ROUTER_PID" &
   perf_pid=$!
   sleep 0.3
-  wrk -t2 -c32 -d"$DURATION" -s "$lua" "$URL" -- completions bench 8 "${tag}m$$" 4000 >"$OUT/wrk.txt"
+  CHAT_BODIES=$CHAT_BODIES wrk -t2 -c32 -d"$DURATION" -s "$lua" "$URL" -- \
+    "$BENCH_MODE" bench 8 "${tag}m$$" 4000 >"$OUT/wrk.txt"
   kill -INT "$perf_pid"
   wait "$perf_pid" || true
   REQUESTS=$(awk '/requests in/ {print $1}' "$OUT/wrk.txt")
