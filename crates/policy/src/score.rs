@@ -49,25 +49,32 @@ pub(crate) fn rank_by_cache(
         return Decision::empty(policy);
     }
     let scale = Scale::new(cfg, candidates, prompt_tokens, block_size);
-    let mut scores: Vec<Score> = candidates
+    // Each score with its candidate's position, for the rotation among ties, sorted in place:
+    // the order [`sorted_order`] would give, without its list of indices.
+    let mut tagged: Vec<(usize, Score)> = candidates
         .iter()
         .zip(credits)
         .map(|(c, cr)| scale.score(cfg, c, cr))
+        .enumerate()
         .collect();
     // If every candidate is over the cap (possible only with a cap near 1), nobody is.
-    if scores.iter().all(|s| s.over_cap) {
-        for s in &mut scores {
+    if tagged.iter().all(|(_, s)| s.over_cap) {
+        for (_, s) in &mut tagged {
             s.over_cap = false;
         }
     }
-    let order = sorted_order(n, ticket, |a, b| {
-        let (sa, sb) = (&scores[a], &scores[b]);
+    let rot = rotation(n, ticket);
+    tagged.sort_by(|(a, sa), (b, sb)| {
         sa.over_cap
             .cmp(&sb.over_cap)
             .then(sb.value.total_cmp(&sa.value))
             .then(sa.load.total_cmp(&sb.load))
+            .then(rot(*a).cmp(&rot(*b)))
     });
-    let scores: Vec<Score> = order.iter().map(|&i| scores[i]).collect();
+    // A new list rather than `into_iter().map().collect()` into the same allocation: a score
+    // is smaller than its pair, so that would shrink the allocation with a realloc.
+    let mut scores = Vec::with_capacity(n);
+    scores.extend(tagged.iter().map(|&(_, s)| s));
     let reason = cache_reason(&scores);
     Decision {
         ranked: scores.iter().map(|s| s.worker).collect(),
