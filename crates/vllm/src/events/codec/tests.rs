@@ -533,6 +533,21 @@ fn removed_and_cleared_use_fixmaps_and_rank_none_is_nil() {
 #[test]
 fn known_media_and_kinds_are_borrowed_and_every_value_round_trips() {
     use std::borrow::Cow;
+    // `event` encoded alone, decoded: `field` of it is `value`, borrowed exactly when `known`,
+    // and the batch re-encodes to the same bytes.
+    fn check(
+        event: KvEvent,
+        field: fn(&KvEvent) -> Option<&Cow<'static, str>>,
+        value: &str,
+        known: bool,
+    ) {
+        let bytes = one_event(event, None);
+        let batch = decode_batch(&bytes).unwrap();
+        let got = field(&batch.events[0]);
+        assert_eq!(got.map(|v| v.as_ref()), Some(value));
+        assert_eq!(matches!(got, Some(Cow::Borrowed(_))), known, "{value}");
+        assert_eq!(encode_batch(&batch), bytes, "{value}");
+    }
     for (medium, known) in [
         ("GPU", true),
         ("CPU", true),
@@ -542,48 +557,35 @@ fn known_media_and_kinds_are_borrowed_and_every_value_round_trips() {
         ("NVMe-tier-2", false),
         ("", false),
     ] {
-        let bytes = one_event(
-            KvEvent::BlockRemoved(BlockRemoved {
-                block_hashes: vec![HashValue::Int(9)],
-                medium: Some(medium.to_owned().into()),
-                ..BlockRemoved::default()
-            }),
-            None,
-        );
-        let batch = decode_batch(&bytes).unwrap();
-        let KvEvent::BlockRemoved(r) = &batch.events[0] else {
-            panic!("{medium}: not a removal")
-        };
-        assert_eq!(r.medium.as_deref(), Some(medium));
-        assert_eq!(
-            matches!(r.medium, Some(Cow::Borrowed(_))),
-            known,
-            "{medium}"
-        );
-        assert_eq!(encode_batch(&batch), bytes, "{medium}");
+        let removed = KvEvent::BlockRemoved(BlockRemoved {
+            block_hashes: vec![HashValue::Int(9)],
+            medium: Some(medium.to_owned().into()),
+            ..BlockRemoved::default()
+        });
+        fn medium_of(e: &KvEvent) -> Option<&Cow<'static, str>> {
+            match e {
+                KvEvent::BlockRemoved(r) => r.medium.as_ref(),
+                _ => None,
+            }
+        }
+        check(removed, medium_of, medium, known);
     }
     for (kind, known) in [
         ("full_attention", true),
         ("sliding_window", true),
         ("mamba", false),
     ] {
-        let stored = BlockStored {
+        let stored = KvEvent::BlockStored(BlockStored {
             block_hashes: vec![HashValue::Int(9)],
             token_ids: vec![1; 16],
             block_size: 16,
             medium: Some("GPU".into()),
             kv_cache_spec_kind: Some(kind.to_owned().into()),
             ..BlockStored::default()
-        };
-        let bytes = one_event(KvEvent::BlockStored(stored), None);
-        let batch = decode_batch(&bytes).unwrap();
-        let s = stored_of(&batch.events[0]);
-        assert_eq!(s.kv_cache_spec_kind.as_deref(), Some(kind));
-        assert_eq!(
-            matches!(s.kv_cache_spec_kind, Some(Cow::Borrowed(_))),
-            known,
-            "{kind}"
-        );
-        assert_eq!(encode_batch(&batch), bytes, "{kind}");
+        });
+        fn kind_of(e: &KvEvent) -> Option<&Cow<'static, str>> {
+            stored_of(e).kv_cache_spec_kind.as_ref()
+        }
+        check(stored, kind_of, kind, known);
     }
 }
