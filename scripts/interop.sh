@@ -3,7 +3,7 @@
 #
 # Installs vLLM once into a cache directory (first run: about 5 minutes and 6 GB; later runs
 # reuse it), then for each hash algorithm starts a server with a small KV cache on free ports,
-# runs `cargo test -p kinference-interop` against it and stops it. Then, in a last phase, starts
+# runs kinference-interop's test targets against it and stops it. Then, in a last phase, starts
 # two sha256 servers at once and runs tests/router_two_replicas.rs: the router in front of both.
 # Exits non-zero if any run fails; every server is always stopped, also on errors and interrupts.
 #
@@ -65,6 +65,12 @@ t=$(date +%s)
 scripts/real-vllm.sh install "$CACHE"
 log "install: $(( $(date +%s) - t ))s"
 
+# The interop crate's test targets, selected within the whole workspace: `-p kinference-interop`
+# would resolve dependency features for that package alone and compile dozens of crates again
+# after `cargo test --workspace`. Its unit tests need no server; the workspace's run has them.
+INTEROP_TESTS=()
+for f in crates/interop/tests/*.rs; do INTEROP_TESTS+=(--test "$(basename "$f" .rs)"); done
+
 failed=()
 first=1
 for algo in $ALGOS; do
@@ -76,7 +82,7 @@ for algo in $ALGOS; do
   if [ "$first" = 1 ]; then
     # Compile while the first server starts.
     tb=$(date +%s)
-    cargo test -p kinference-interop --no-run
+    cargo test --workspace "${INTEROP_TESTS[@]}" --no-run
     log "build: $(( $(date +%s) - tb ))s"
     first=0
   fi
@@ -96,7 +102,7 @@ for algo in $ALGOS; do
      KINFERENCE_REAL_VLLM_EVENTS="tcp://127.0.0.1:$ev" \
      KINFERENCE_REAL_VLLM_REPLAY="tcp://127.0.0.1:$replay" \
      KINFERENCE_REAL_VLLM_HASH_ALGO="$algo" \
-     cargo test -p kinference-interop -- --nocapture --test-threads=1; then
+     cargo test --workspace "${INTEROP_TESTS[@]}" -- --nocapture --test-threads=1; then
     log "tests ($algo) passed: $(( $(date +%s) - t ))s"
   else
     log "tests ($algo) FAILED: $(( $(date +%s) - t ))s (server log: $CACHE/logs/server_$PORT.log)"
@@ -135,7 +141,7 @@ router_phase() {
   if [ "$first" = 1 ]; then
     local tb
     tb=$(date +%s)
-    cargo test -p kinference-interop --test router_two_replicas --no-run
+    cargo test --workspace --test router_two_replicas --no-run
     log "build: $(( $(date +%s) - tb ))s"
     first=0
   fi
@@ -158,7 +164,7 @@ router_phase() {
      KINFERENCE_ROUTER_VLLM_REPLAY="${replays[0]},${replays[1]}" \
      KINFERENCE_ROUTER_VLLM_TOPICS="${topics[0]},${topics[1]}" \
      KINFERENCE_ROUTER_VLLM_HASH_ALGO="$algo" \
-     cargo test -p kinference-interop --test router_two_replicas -- --nocapture; then
+     cargo test --workspace --test router_two_replicas -- --nocapture; then
     log "$name tests passed: $(( $(date +%s) - t ))s"
   else
     log "$name tests FAILED: $(( $(date +%s) - t ))s (server logs: $CACHE/logs/server_${ports[0]}.log, $CACHE/logs/server_${ports[3]}.log)"

@@ -39,14 +39,16 @@ fi
 "$PY" -c 'import zmq; print("[zmq-interop] peer: pyzmq", zmq.__version__, "libzmq", zmq.zmq_version())'
 
 cd "$REPO"
+# `--workspace --test pyzmq` rather than `-p kinference-interop`: dependency features resolved
+# over the workspace, as `cargo test --workspace` built them, so nothing is compiled again.
 KINFERENCE_ZMQ_PY=$PY KINFERENCE_ZMQ_PY_REQUIRED=1 \
-  cargo test -p kinference-interop --test pyzmq --locked -- --test-threads=1
+  cargo test --workspace --test pyzmq --locked -- --test-threads=1
 
 if [ "${KINFERENCE_ZMQ_PY_VLLM:-0}" = 1 ]; then
   VLLM_PY=${KINFERENCE_VLLM_CACHE:-$HOME/.cache/kinference/real-vllm}/venv/bin/python
   [ -x "$VLLM_PY" ] || { log "no real vLLM at $VLLM_PY (scripts/real-vllm.sh installs it)" >&2; exit 1; }
   log "again with vLLM's own msgspec classes ($VLLM_PY)"
   KINFERENCE_ZMQ_PY=$VLLM_PY KINFERENCE_ZMQ_PY_REQUIRED=1 \
-    cargo test -p kinference-interop --test pyzmq --locked -- --test-threads=1
+    cargo test --workspace --test pyzmq --locked -- --test-threads=1
 fi
 log "ok"
