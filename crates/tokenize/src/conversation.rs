@@ -642,32 +642,28 @@ fn is_unset(v: &Json) -> bool {
 
 /// The keyword arguments vLLM hands to `apply_chat_template`, merged in its order:
 /// server defaults and tools, then the request's `chat_template_kwargs` (null/"auto" values
-/// ignored), then the request's own fields.
+/// ignored), then the request's own fields. `add_generation_prompt` and
+/// `continue_final_message` are left out: like every name in [`APPLY_PARAMS`], the template
+/// never sees them through the keyword arguments ([`Prepared::context`] and
+/// [`Prepared::variable`] skip those names), and [`Prepared`] keeps the first as a field. So
+/// a request with neither defaults nor its own keyword arguments allocates nothing here.
 fn merge_kwargs(req: &ChatRequest, tools: Option<Vec<Json>>, defaults: &Map) -> Result<Map> {
     let mut kw = defaults.clone();
     if let Some(tools) = tools {
         kw.insert("tools".into(), Json::Array(tools));
     }
-    let user = req.chat_template_kwargs.clone().unwrap_or_default();
-    for (k, v) in &user {
+    let user = req.chat_template_kwargs.as_ref();
+    for (k, v) in user.into_iter().flatten() {
         if !is_unset(v) {
             kw.insert(k.clone(), v.clone());
         }
     }
-    kw.insert(
-        "add_generation_prompt".into(),
-        Json::Bool(req.add_generation_prompt),
-    );
-    kw.insert(
-        "continue_final_message".into(),
-        Json::Bool(req.continue_final_message),
-    );
     if let Some(docs) = &req.documents {
         kw.insert("documents".into(), Json::Array(docs.clone()));
     }
     if let Some(effort) = req.reasoning_effort.as_deref().filter(|e| *e != "auto") {
         kw.insert("reasoning_effort".into(), Json::String(effort.into()));
-        if !user.contains_key("enable_thinking") {
+        if !user.is_some_and(|u| u.contains_key("enable_thinking")) {
             kw.insert("enable_thinking".into(), Json::Bool(effort != "none"));
         }
     }
