@@ -32,7 +32,9 @@
 # the simulator process (all 4 replicas).
 #
 # Prints a markdown table (per round, then ranges over rounds when ROUNDS > 1) and writes every
-# raw output under the results directory. Every process it starts is stopped on exit.
+# raw output under the results directory, kinference's /metrics before and after each of its
+# cells among them; from those, a last line gives the router's own request duration at one
+# connection (its histogram) beside wrk's. Every process it starts is stopped on exit.
 #
 # usage: scripts/router-latency.sh [BINARY]
 #   BINARY is a built `kinference`; without it, `cargo build --release -p kinference` builds
@@ -460,7 +462,15 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
     perf record -q -F 499 --call-graph dwarf -p "$SIM_PID" -o "$prefix.sim.perf.data" >/dev/null 2>&1 &
     sim_perf_pid=$!
   fi
+  # kinference's own view of the cell: its /metrics before and after (the summary reads its
+  # request-duration histogram from them, to tell the router's time from the rest of wrk's).
+  local admin=""
+  if [ "$t" = kinference ]; then
+    admin=$(sed -n 's/^admin=//p' "$OUT/$t.r$round.out")
+    curl -sf "$admin/metrics" >"$prefix.$cell.metrics0.txt" 2>/dev/null || true
+  fi
   run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw" "$addrs"
+  [ -n "$admin" ] && { curl -sf "$admin/metrics" >"$prefix.$cell.metrics1.txt" 2>/dev/null || true; }
   [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID")
   s1=$(proc_ticks "$SIM_PID")
   if [ -n "$perf_pid" ]; then kill -INT "$perf_pid" 2>/dev/null; wait "$perf_pid" 2>/dev/null || true; fi
@@ -677,5 +687,46 @@ if decisions:
     total = sum(decisions.values())
     parts = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(decisions.items(), key=lambda kv: -kv[1]))
     print(f"kinference routing decisions (all rounds, warm-up included): {total:,.0f}: {parts}")
+def histogram(path, name):
+    """A histogram's cumulative counts by upper bound, summed over its label sets."""
+    out = defaultdict(float)
+    try:
+        for line in open(path):
+            if line.startswith(name + "_bucket{"):
+                le = line.split('le="', 1)[1].split('"', 1)[0]
+                out[float("inf") if le == "+Inf" else float(le)] += float(line.rsplit(" ", 1)[1])
+    except OSError:
+        return None
+    return out
+
+def bound(hist, q):
+    """The smallest bucket bound at or below which a share q of the observations lie."""
+    total = hist[float("inf")]
+    for le in sorted(hist):
+        if hist[le] >= q * total:
+            return le
+    return float("inf")
+
+# The router's own time per request (kinference_request_duration_seconds: from the request's
+# dispatch, its head already read, to the end of the response body), the cell's requests
+# only, against what wrk measured: the part of wrk's tail that lies outside the router's request
+# handling (the reading of the head, the write of the response, the machine's scheduling).
+own = []
+for r in rounds:
+    for cell in ("c1", "chat1"):
+        base = os.path.join(os.path.dirname(cells_path), f"kinference.r{r}.{cell}.metrics")
+        h0 = histogram(base + "0.txt", "kinference_request_duration_seconds")
+        h1 = histogram(base + "1.txt", "kinference_request_duration_seconds")
+        c = by.get(("kinference", r, "kinference", cell))
+        if not (h0 is not None and h1 and c):
+            continue
+        d = {le: h1[le] - h0.get(le, 0.0) for le in h1}
+        if d[float("inf")] <= 0:
+            continue
+        ms = lambda le: "?" if le == float("inf") else f"{le * 1000:g} ms"
+        own.append(f"round {r} {cell}: p50 ≤ {ms(bound(d, 0.5))}, p99 ≤ {ms(bound(d, 0.99))} "
+                   f"(wrk: p50 {c['wrk']['p50_us'] / 1000:.2f} ms, p99 {c['wrk']['p99_us'] / 1000:.2f} ms)")
+if own:
+    print("kinference's own request duration at 1 connection (its histogram's bucket bounds): " + "; ".join(own))
 PYEOF
 log "raw outputs: $OUT"
