@@ -69,6 +69,10 @@
 #                            replicas publish to a subscriber behind every router, as a fleet with
 #                            KV events enabled does (without a subscriber they send nothing);
 #                            the sink's own CPU is counted in no column (it is logged)
+#      SINK_CPUS=            a CPU list for the events sink (taskset; default: ROUTER_CPUS, the
+#                            routers'): with LOAD_CPUS, the sink on the load's cores leaves the
+#                            router's core to the router, so the subscriber's own work is
+#                            separated from the replicas' publishing
 #      PERF_RECORD_SIM=      when set, the same on the simulator during every router's
 #                            32-connection cell (RESULTS/.../TARGET.rN.sim.perf.data): what the
 #                            replicas spend behind each router
@@ -498,6 +502,8 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
     sink_pid=$!
     PIDS+=("$sink_pid")
     router_addrs "$prefix.sink.err" "$sink_pid" 120 >/dev/null || die "the events sink did not start (see $prefix.sink.err)"
+    # Every thread of it, once its runtimes have started them.
+    [ -n "${SINK_CPUS:-}" ] && { taskset -a -p -c "$SINK_CPUS" "$sink_pid" >/dev/null || die "SINK_CPUS=$SINK_CPUS is not a usable CPU list"; }
     sink0=$(proc_ticks "$sink_pid")
   fi
   chat_stream_ok "$TARGET_URL" || log "warning: $t did not stream a chat completion to [DONE] in the smoke check"
