@@ -368,6 +368,8 @@ NGINXEOF
 
 # --- targets
 ROUTER_PID=""
+# The kinference target's admin address while it runs (empty for every other target).
+ADMIN_URL=""
 # `kinference serve` in front of the replicas, in the background ($! is its PID), its output in
 # PREFIX.out and PREFIX.err.
 kinference_serve() { # PREFIX
@@ -379,6 +381,7 @@ kinference_serve() { # PREFIX
 start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
   local t=$1 round=$2 port admin prom
   ROUTER_PID=""
+  ADMIN_URL=""
   case $t in
     direct)
       TARGET_URL=${URLS[0]}
@@ -428,7 +431,8 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
     return 1
   fi
   if [ "$t" = kinference ]; then
-    echo "admin=http://127.0.0.1:$admin" >>"$OUT/$t.r$round.out"
+    ADMIN_URL=http://127.0.0.1:$admin
+    echo "admin=$ADMIN_URL" >>"$OUT/$t.r$round.out"
   fi
 }
 
@@ -468,13 +472,9 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   fi
   # kinference's own view of the cell: its /metrics before and after (the summary reads its
   # request-duration histogram from them, to tell the router's time from the rest of wrk's).
-  local admin=""
-  if [ "$t" = kinference ]; then
-    admin=$(sed -n 's/^admin=//p' "$OUT/$t.r$round.out")
-    curl -sf "$admin/metrics" >"$prefix.$cell.metrics0.txt" 2>/dev/null || true
-  fi
+  [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.$cell.metrics0.txt" 2>/dev/null || true; }
   run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw" "$addrs"
-  [ -n "$admin" ] && { curl -sf "$admin/metrics" >"$prefix.$cell.metrics1.txt" 2>/dev/null || true; }
+  [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.$cell.metrics1.txt" 2>/dev/null || true; }
   [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID")
   s1=$(proc_ticks "$SIM_PID")
   if [ -n "$perf_pid" ]; then kill -INT "$perf_pid" 2>/dev/null; wait "$perf_pid" 2>/dev/null || true; fi
@@ -487,7 +487,7 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
 # baseline of: direct is measured again just before each router, so that every ratio compares
 # cells a minute apart on this shared machine, not the two ends of a round.
 measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
-  local t=$1 round=$2 pair=$3 prefix admin
+  local t=$1 round=$2 pair=$3 prefix
   prefix=$OUT/$t.r$round
   [ "$t" = direct ] && prefix=$prefix.before-$pair
   if [ "$t" = direct ]; then log "round $round: direct (baseline of $pair)"; else log "round $round: $t"; fi
@@ -517,10 +517,7 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
   if [ "$t" = direct ] && [ "$(awk '$1 == "50%" {print ($2 ~ /ms$/ && $2 + 0 > 20) ? 1 : 0; exit}' "$prefix.chat1.txt")" = 1 ]; then
     log "warning: streamed chat straight to a replica takes over 20 ms at p50: the backend stalls (no TCP_NODELAY?), so the streaming column measures the backend, not the routers"
   fi
-  if [ "$t" = kinference ]; then
-    admin=$(sed -n 's/^admin=//p' "$OUT/$t.r$round.out")
-    curl -sf "$admin/metrics" >"$prefix.metrics.txt" 2>/dev/null || true
-  fi
+  [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.metrics.txt" 2>/dev/null || true; }
   if [ -n "$sink_pid" ]; then
     log "$t round $round: the events sink used $(( $(proc_ticks "$sink_pid") - sink0 )) ticks over the target's cells"
     stop_tree "$sink_pid" 5
