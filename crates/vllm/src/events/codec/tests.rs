@@ -548,6 +548,15 @@ fn known_media_and_kinds_are_borrowed_and_every_value_round_trips() {
         assert_eq!(matches!(got, Some(Cow::Borrowed(_))), known, "{value}");
         assert_eq!(encode_batch(&batch), bytes, "{value}");
     }
+    fn medium_of(e: &KvEvent) -> Option<&Cow<'static, str>> {
+        match e {
+            KvEvent::BlockRemoved(r) => r.medium.as_ref(),
+            _ => None,
+        }
+    }
+    fn kind_of(e: &KvEvent) -> Option<&Cow<'static, str>> {
+        stored_of(e).kv_cache_spec_kind.as_ref()
+    }
     for (medium, known) in [
         ("GPU", true),
         ("CPU", true),
@@ -562,12 +571,6 @@ fn known_media_and_kinds_are_borrowed_and_every_value_round_trips() {
             medium: Some(medium.to_owned().into()),
             ..BlockRemoved::default()
         });
-        fn medium_of(e: &KvEvent) -> Option<&Cow<'static, str>> {
-            match e {
-                KvEvent::BlockRemoved(r) => r.medium.as_ref(),
-                _ => None,
-            }
-        }
         check(removed, medium_of, medium, known);
     }
     for (kind, known) in [
@@ -583,9 +586,6 @@ fn known_media_and_kinds_are_borrowed_and_every_value_round_trips() {
             kv_cache_spec_kind: Some(kind.to_owned().into()),
             ..BlockStored::default()
         });
-        fn kind_of(e: &KvEvent) -> Option<&Cow<'static, str>> {
-            stored_of(e).kv_cache_spec_kind.as_ref()
-        }
         check(stored, kind_of, kind, known);
     }
 }
