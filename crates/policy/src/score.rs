@@ -71,10 +71,9 @@ pub(crate) fn rank_by_cache(
             .then(sa.load.total_cmp(&sb.load))
             .then(rot(*a).cmp(&rot(*b)))
     });
-    // A new list rather than `into_iter().map().collect()` into the same allocation: a score
-    // is smaller than its pair, so that would shrink the allocation with a realloc.
-    let mut scores = Vec::with_capacity(n);
-    scores.extend(tagged.iter().map(|&(_, s)| s));
+    // Collected from a borrowing iterator, so into a new list of exactly `n`: `into_iter()`
+    // would reuse the pairs' allocation and shrink it with a realloc (a score is smaller).
+    let scores: Vec<Score> = tagged.iter().map(|&(_, s)| s).collect();
     let reason = cache_reason(&scores);
     Decision {
         ranked: scores.iter().map(|s| s.worker).collect(),
