@@ -51,8 +51,7 @@ case $WORKLOAD in
   dev) ;;
   chat)
     CHAT_BODIES=$OUT/chat-bodies.tsv
-    python3 "$HERE/lib/chat_bodies.py" "$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz" \
-      "$CHAT_BODIES" "$CHAT_CONVERSATIONS"
+    python3 "$HERE/lib/chat_bodies.py" "$CHAT_BODIES" "$CHAT_CONVERSATIONS"
     ;;
   *) echo "WORKLOAD must be dev or chat" >&2; exit 1 ;;
 esac

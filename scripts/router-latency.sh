@@ -103,7 +103,6 @@ WORKLOAD=${WORKLOAD:-dev}
 TOKENIZER=${TOKENIZER:-llama3.1}
 read -r -a KINF_EXTRA <<<"${KINF_FLAGS:-}"
 [ -d "$TOKENIZER" ] || TOKENIZER=$REPO/../shared/data/tokenizers/$TOKENIZER
-SHAREGPT=$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz
 RESULTS=${RESULTS:-$REPO/target/router-latency}
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/kinference/peers}
 LOAD_CPUS=${LOAD_CPUS:-}
@@ -152,7 +151,7 @@ case $WORKLOAD in
   dev) MODE=completions ;;
   chat)
     MODE=chat
-    [ -f "$SHAREGPT" ] || die "WORKLOAD=chat reads $SHAREGPT, which is missing"
+    python3 "$HERE/lib/chat_bodies.py" --check || die "WORKLOAD=chat needs the ShareGPT sample"
     ;;
   *) die "WORKLOAD must be dev or chat" ;;
 esac
@@ -248,7 +247,7 @@ log "results in $OUT"
 CHAT_BODIES=
 if [ "$WORKLOAD" = chat ]; then
   CHAT_BODIES=$OUT/chat-bodies.tsv
-  python3 "$HERE/lib/chat_bodies.py" "$SHAREGPT" "$CHAT_BODIES" || die "could not write the chat requests"
+  python3 "$HERE/lib/chat_bodies.py" "$CHAT_BODIES" || die "could not write the chat requests"
 fi
 
 # utime+stime (clock ticks) of a process and its descendants

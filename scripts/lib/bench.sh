@@ -24,8 +24,7 @@ bench_setup() {
     dev) BENCH_MODE=completions CHAT_BODIES= ;;
     chat)
       BENCH_MODE=chat CHAT_BODIES=$OUT/chat-bodies.tsv
-      python3 "$REPO/scripts/lib/chat_bodies.py" \
-        "$REPO/../shared/data/traces/sharegpt/sharegpt_v3_multiturn_3000.jsonl.gz" "$CHAT_BODIES" ||
+      python3 "$REPO/scripts/lib/chat_bodies.py" "$CHAT_BODIES" ||
         { echo "$name.sh: could not write the chat requests" >&2; exit 1; }
       ;;
     *) echo "$name.sh: WORKLOAD must be dev or chat" >&2; exit 1 ;;

@@ -1,6 +1,7 @@
 """chat_bodies.py - the chat workload of scripts/router-latency.sh and router-instructions.sh.
 
-usage: python3 chat_bodies.py SHAREGPT_JSONL_GZ OUT_TSV [MAX_CONVERSATIONS]
+usage: python3 chat_bodies.py OUT_TSV [MAX_CONVERSATIONS]
+       python3 chat_bodies.py --check   (exits 1, saying why, when the sample is missing)
 
 The last 1,000 conversations of ../shared's ShareGPT sample (the trace benchmarks read from its
 start), each human turn with its whole history as one chat request, bodies up to 16 kB, taken
@@ -12,11 +13,20 @@ the cut is (see scripts/router-latency.lua).
 """
 import gzip
 import json
+import os
 import sys
 
-src, dst = sys.argv[1], sys.argv[2]
-limit = int(sys.argv[3]) if len(sys.argv) > 3 else None
-convs = [json.loads(line) for line in gzip.open(src, "rt")][2000:][:limit]
+# The one place the benchmark scripts name the sample: ../shared beside the repository.
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "shared",
+                   "data", "traces", "sharegpt", "sharegpt_v3_multiturn_3000.jsonl.gz")
+SRC = os.path.normpath(SRC)
+if not os.path.isfile(SRC):
+    sys.exit(f"the chat workload reads {SRC}, which is missing")
+if sys.argv[1:] == ["--check"]:
+    sys.exit(0)
+dst = sys.argv[1]
+limit = int(sys.argv[2]) if len(sys.argv) > 2 else None
+convs = [json.loads(line) for line in gzip.open(SRC, "rt")][2000:][:limit]
 turns = []  # per conversation: the message lists ending at each human turn
 for c in convs:
     msgs, mine = [], []
