@@ -57,9 +57,10 @@
 #      PEERS_DIR=~/.cache/kinference/peers             (one venv per peer; installed when missing)
 #      KINF_FLAGS=           extra `kinference serve` flags, word-split (e.g.
 #                            "--tokenizer-cache-bytes 0")
-#      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on the kinference
-#                            router (and the floor) during its 32-connection cell (RESULTS/.../kinference.rN.perf.data;
-#                            its CPU per request is then measured with perf attached)
+#      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on each router's
+#                            processes (nginx's workers and the peers' children included)
+#                            during its 32-connection cell (RESULTS/.../TARGET.rN.perf.data; its
+#                            CPU per request is then measured with perf attached)
 #      PERF_CELL=c32         the cell PERF_RECORD records (c1, c32 or chat1)
 #      KINF_NO_EVENTS=       when set, kinference is given the replicas without their KV-event
 #                            endpoints (a diagnostic: its index then holds only its own
@@ -264,6 +265,13 @@ proc_ticks() {
 }
 CLK_TCK=$(getconf CLK_TCK)
 
+# a process and its descendants, comma-separated (perf's -p list)
+tree_pids() {
+  local pid=$1 out=$1 kid
+  for kid in $(pgrep -P "$pid" 2>/dev/null); do out+=",$(tree_pids "$kid")"; done
+  echo "$out"
+}
+
 wait_for() { # WHAT PID SECONDS COMMAND... : polls COMMAND until it succeeds
   local what=$1 pid=$2 secs=$3 i
   shift 3
@@ -460,8 +468,8 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
   s0=$(proc_ticks "$SIM_PID")
   local perf_pid=""
-  if [ -n "${PERF_RECORD:-}" ] && { [ "$t" = kinference ] || [ "${t%%-*}" = floor ]; } && [ "$cell" = "${PERF_CELL:-c32}" ]; then
-    perf record -q -F 499 --call-graph dwarf -p "$ROUTER_PID" -o "$prefix.perf.data" >/dev/null 2>&1 &
+  if [ -n "${PERF_RECORD:-}" ] && [ -n "$ROUTER_PID" ] && [ "$cell" = "${PERF_CELL:-c32}" ]; then
+    perf record -q -F 499 --call-graph dwarf -p "$(tree_pids "$ROUTER_PID")" -o "$prefix.perf.data" >/dev/null 2>&1 &
     perf_pid=$!
   fi
   local sim_perf_pid=""
