@@ -253,24 +253,21 @@ fi
 
 # utime+stime (clock ticks) of a process and its descendants
 proc_ticks() {
-  local pid=$1 total=0 stat kid
-  stat=$(cat "/proc/$pid/stat" 2>/dev/null) || { echo 0; return; }
-  stat=${stat##*) }
-  read -r -a f <<<"$stat"
-  total=$(( f[11] + f[12] ))
-  for kid in $(pgrep -P "$pid" 2>/dev/null); do
-    total=$(( total + $(proc_ticks "$kid") ))
+  local pid total=0 stat f
+  # shellcheck disable=SC2046 # descendants prints a list of pids
+  for pid in "$1" $(descendants "$1"); do
+    stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
+    stat=${stat##*) }
+    read -r -a f <<<"$stat"
+    total=$(( total + f[11] + f[12] ))
   done
   echo "$total"
 }
 CLK_TCK=$(getconf CLK_TCK)
 
 # a process and its descendants, comma-separated (perf's -p list)
-tree_pids() {
-  local pid=$1 out=$1 kid
-  for kid in $(pgrep -P "$pid" 2>/dev/null); do out+=",$(tree_pids "$kid")"; done
-  echo "$out"
-}
+# shellcheck disable=SC2046 # descendants prints a list of pids
+tree_pids() { echo "$1" $(descendants "$1") | tr ' ' ,; }
 
 wait_for() { # WHAT PID SECONDS COMMAND... : polls COMMAND until it succeeds
   local what=$1 pid=$2 secs=$3 i
