@@ -89,6 +89,19 @@ pub(crate) struct Prepared {
     pub warm: Option<WarmSource>,
 }
 
+impl Prepared {
+    /// What the policy and the baselines read of the request.
+    fn ctx(&self) -> RequestCtx<'_> {
+        RequestCtx {
+            hashes: &self.hashes,
+            prompt_tokens: self.prompt_tokens,
+            block_size: self.rules.block_size,
+            session: self.session.as_deref(),
+            ticket: self.ticket,
+        }
+    }
+}
+
 /// The parts of a request a warm repeats: its token ids (a warm sends a prefix of them) and
 /// its `cache_salt` (which enters the block hashes).
 #[derive(Debug)]
@@ -365,18 +378,24 @@ pub(crate) struct Routed {
     pub prepared: Prepared,
     pub decision: Decision,
     pub targets: Vec<Target>,
-    /// What each of the pool's baselines would have found cached (see [`Shadow`]).
-    pub baselines: Vec<BaselineGuess>,
     /// The speculative entries the decision recorded, until the outcome is known.
     applied: Applied,
+    /// The candidates the decision ranked, for [`observe`].
+    candidates: Vec<Candidate>,
+    /// When the decision was taken.
+    now: Duration,
 }
 
 /// Decides where a prepared request goes and records the decision's effects on the policy
 /// (speculative entries) under the same lock hold. Only the first `max_targets` of the ranked
 /// workers become targets (a data plane tries at most `max_attempts`; at a thousand replicas
 /// a target per candidate was a reference count taken and dropped a thousand times).
+///
+/// The baselines have not seen the request yet: the caller has them [`observe`] it once,
+/// where it costs the request least (the data port while the request travels upstream).
 pub(crate) fn route(fleet: &Fleet, prepared: Prepared, max_targets: usize) -> Routed {
-    let (decision, applied, baselines) = select(fleet, &prepared, true);
+    let now = fleet.now();
+    let (decision, applied, candidates) = select(&prepared, true, now);
     let all = prepared.pool.replicas();
     let targets = decision
         .ranked
@@ -398,9 +417,33 @@ pub(crate) fn route(fleet: &Fleet, prepared: Prepared, max_targets: usize) -> Ro
         prepared,
         decision,
         targets,
-        baselines,
         applied,
+        candidates,
+        now,
     }
+}
+
+/// Shows a routed request to the pool's baselines, and counts the part of its prefix only the
+/// chosen replica held (that replica's scale-in cost); answers what each baseline would have
+/// found cached. Neither changes the decision, so they run after it, once per request, and
+/// never under the policy's lock (they would hold up another request's decision).
+pub(crate) fn observe(routed: &Routed) -> Vec<BaselineGuess> {
+    let (p, now) = (&routed.prepared, routed.now);
+    count_unique_hit(p, &routed.decision, &routed.candidates, now);
+    let ctx = p.ctx();
+    let mut shadows = p.rules.shadows.lock();
+    let mut baselines = Vec::with_capacity(shadows.len());
+    for s in shadows.iter_mut() {
+        let guess = s.observe(&ctx, &routed.candidates, now);
+        baselines.push(BaselineGuess {
+            policy: s.name(),
+            cached_tokens: guess
+                .cached_blocks
+                .saturating_mul(p.rules.block_size)
+                .min(p.prompt_tokens),
+        });
+    }
+    baselines
 }
 
 /// The outcome of a routed request: `Some(used)` when `targets[used]` answered with a response
@@ -560,47 +603,21 @@ async fn room(pool: &Pool, subset: Option<&[String]>) -> Result<(), Shed> {
         .await
 }
 
-/// Ranks the pool's workers for a prepared request. With `apply` (the data plane), the
+/// Ranks the pool's workers for a prepared request. With `apply` (a routed request), the
 /// decision's effects on the policy (speculative entries) are recorded under the same lock
-/// hold, and the baselines guess for the same request after that lock is released, so they
-/// never hold up another request's decision.
-fn select(fleet: &Fleet, p: &Prepared, apply: bool) -> (Decision, Applied, Vec<BaselineGuess>) {
+/// hold. The candidates come back for [`observe`].
+fn select(p: &Prepared, apply: bool, now: Duration) -> (Decision, Applied, Vec<Candidate>) {
     let candidates = candidates(&p.pool, p.rules.uses_index, &p.hashes, p.subset.as_deref());
-    let ctx = RequestCtx {
-        hashes: &p.hashes,
-        prompt_tokens: p.prompt_tokens,
-        block_size: p.rules.block_size,
-        session: p.session.as_deref(),
-        ticket: p.ticket,
+    let ctx = p.ctx();
+    let mut policy = p.rules.policy.lock();
+    let decision = policy.select(&ctx, &candidates, now);
+    let applied = if apply {
+        policy.apply(&decision, &p.hashes, now)
+    } else {
+        Applied::default()
     };
-    let now = fleet.now();
-    let (decision, applied) = {
-        let mut policy = p.rules.policy.lock();
-        let decision = policy.select(&ctx, &candidates, now);
-        let applied = if apply {
-            policy.apply(&decision, &p.hashes, now)
-        } else {
-            Applied::default()
-        };
-        (decision, applied)
-    };
-    let mut baselines = Vec::new();
-    if apply {
-        count_unique_hit(p, &decision, &candidates, now);
-        let mut shadows = p.rules.shadows.lock();
-        baselines.reserve(shadows.len());
-        for s in shadows.iter_mut() {
-            let guess = s.observe(&ctx, &candidates, now);
-            baselines.push(BaselineGuess {
-                policy: s.name(),
-                cached_tokens: guess
-                    .cached_blocks
-                    .saturating_mul(p.rules.block_size)
-                    .min(p.prompt_tokens),
-            });
-        }
-    }
-    (decision, applied, baselines)
+    drop(policy);
+    (decision, applied, candidates)
 }
 
 /// Records, for the chosen replica's scale-in cost, the part of the request's prefix it holds
@@ -627,7 +644,7 @@ fn count_unique_hit(p: &Prepared, decision: &Decision, candidates: &[Candidate],
 
 /// The `/debug/explain` answer for a prepared request.
 pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared) -> ExplainResponse {
-    let (decision, _, _) = select(fleet, p, false);
+    let (decision, _, _) = select(p, false, fleet.now());
     let candidates = decision
         .scores
         .iter()

@@ -71,7 +71,8 @@ pub(crate) enum Accounting {
     /// prediction.
     Routed {
         prompt_tokens: u32,
-        /// The baselines' guesses for the request, counted with its usage.
+        /// The baselines' guesses for the request, counted with its usage (set by
+        /// [`forward`]).
         baselines: Vec<BaselineGuess>,
     },
     /// Passed through by load: nothing predicted, nothing to compare.
@@ -81,6 +82,13 @@ pub(crate) enum Accounting {
 impl Accounting {
     fn routed(&self) -> bool {
         matches!(self, Accounting::Routed { .. })
+    }
+
+    /// Records the baselines' guesses (a passed-through request has none).
+    fn set_baselines(&mut self, guesses: Vec<BaselineGuess>) {
+        if let Accounting::Routed { baselines, .. } = self {
+            *baselines = guesses;
+        }
     }
 
     /// The baselines' guesses, moved out (to the response body, which counts them).
@@ -111,21 +119,41 @@ impl Accounting {
 
 /// Sends the request to the first target that takes it; the index of that target comes back
 /// with the response. An error is for the caller to answer: nothing reached the client.
+///
+/// `observe` answers the baselines' guesses for a routed request (see [`Accounting`]): run
+/// once, while the first replica tried works on the request (else before the answer), and
+/// whatever happens to the request, since the baselines saw every routed request.
 pub(crate) async fn forward(
     fleet: &Arc<Fleet>,
     upstream: &Upstream,
-    req: Forward,
+    mut req: Forward,
     targets: &[Target],
+    observe: impl FnOnce() -> Vec<BaselineGuess>,
 ) -> Result<(Response, usize), RequestError> {
     let attempts = targets
         .len()
         .min(fleet.settings.max_attempts.max(1) as usize);
     let mut failures: Vec<String> = Vec::new();
+    let mut observe = Some(observe);
+    let mut guesses = Vec::new();
     for (i, t) in targets.iter().take(attempts).enumerate() {
         let more = i + 1 < attempts;
-        if let Some((guard, resp)) = attempt(fleet, upstream, &req, t, more, &mut failures).await? {
+        let written = || {
+            if let Some(observe) = observe.take() {
+                guesses = observe();
+            }
+        };
+        let tried = attempt(fleet, upstream, &req, t, more, &mut failures, written).await;
+        if let Some(observe) = observe.take() {
+            guesses = observe();
+        }
+        if let Some((guard, resp)) = tried? {
+            req.accounting.set_baselines(guesses);
             return Ok((respond(fleet, req, t, guard, resp), i));
         }
+    }
+    if let Some(observe) = observe.take() {
+        observe();
     }
     let pool = req.pool.name.clone();
     let detail = if failures.is_empty() {
@@ -150,6 +178,7 @@ async fn attempt(
     t: &Target,
     more: bool,
     failures: &mut Vec<String>,
+    written: impl FnOnce(),
 ) -> Result<Option<(InFlight, http::Response<LinkBody>)>, RequestError> {
     let settings = &fleet.settings;
     let prefill = req.accounting.prefill(t);
@@ -162,8 +191,11 @@ async fn attempt(
         }
     };
     let first_byte = settings.timeouts.first_byte();
-    let sent =
-        tokio::time::timeout(first_byte, upstream.send(&t.replica.endpoint, upstream_req)).await;
+    let sent = tokio::time::timeout(
+        first_byte,
+        upstream.send_then(&t.replica.endpoint, upstream_req, written),
+    )
+    .await;
     match sent {
         Err(_) => {
             fail_count(fleet, &t.replica, "first_byte_timeout");

@@ -20,6 +20,9 @@
 //!        one worker, from its own task (warming.rs; nothing waits for it)
 //!      forward the original bytes to ranked[0] (+ X-data-parallel-rank when D > 1);
 //!        connect refused / 503 head → ranked[1], ... (max_attempts; then 503 + Retry-After)
+//!      once the request is written, while the replica works: the decision is counted, the
+//!        baselines' models see the request (decide::observe), and so does the chosen
+//!        replica's count of the prefix only it holds
 //!      stream the response back frame by frame: first byte releases predicted prefill
 //!        tokens, cached_tokens is read from usage as it passes, the body owns the in-flight
 //!        guard and the gate's place

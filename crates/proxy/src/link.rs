@@ -126,12 +126,16 @@ impl Links {
         }
     }
 
-    /// Sends `req` to `authority` on an idle connection, or a new one.
+    /// Sends `req` to `authority` on an idle connection, or a new one, and runs `written` once
+    /// the request is written, before its response is awaited: work that the response does
+    /// not need is done while the replica works, instead of before the request leaves (not
+    /// run when the request fails before it is written).
     /// The request's URI is sent in origin form (path and query); `Host` is the caller's.
     pub async fn send(
         &self,
         authority: &Authority,
         req: Request<Full<Bytes>>,
+        written: impl FnOnce(),
     ) -> Result<Response<LinkBody>, LinkError> {
         // A connection just checked and idle cannot be cancelled before the request is
         // written (nothing else runs on it in between), so a failure from here on may have
@@ -142,6 +146,7 @@ impl Links {
         };
         let head_only = req.method() == Method::HEAD;
         write_request(&link.tcp, &mut link.head, authority, req).await?;
+        written();
         let (resp, framing, reusable) = read_head(&mut link, head_only).await?;
         let mut body = H1Body {
             link: Some(link),
@@ -767,7 +772,7 @@ mod tests {
     }
 
     async fn read_all(links: &Links, authority: &Authority) -> String {
-        let resp = links.send(authority, get(authority)).await.unwrap();
+        let resp = links.send(authority, get(authority), || ()).await.unwrap();
         assert_eq!(resp.status(), 200);
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
@@ -870,7 +875,10 @@ mod tests {
     async fn a_body_dropped_early_takes_its_connection_with_it() {
         let (authority, accepted) = replica("a longer answer", false).await;
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
-        let resp = links.send(&authority, get(&authority)).await.unwrap();
+        let resp = links
+            .send(&authority, get(&authority), || ())
+            .await
+            .unwrap();
         drop(resp);
         assert_eq!(read_all(&links, &authority).await, "a longer answer");
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
@@ -1002,7 +1010,10 @@ mod tests {
             for _ in 0..3 {
                 // Bodies read to the close need the replica to close: it does when the next
                 // request finds the connection gone, so each is read on its own connection.
-                let resp = links.send(&authority, get(&authority)).await.unwrap();
+                let resp = links
+                    .send(&authority, get(&authority), || ())
+                    .await
+                    .unwrap();
                 if body == "to the end" {
                     let mut b = resp.into_body();
                     let frame = b.frame().await.unwrap().unwrap().into_data().unwrap();
@@ -1025,7 +1036,7 @@ mod tests {
         for _ in 0..2 {
             let mut req = get(&authority);
             *req.method_mut() = Method::HEAD;
-            let resp = links.send(&authority, req).await.unwrap();
+            let resp = links.send(&authority, req, || ()).await.unwrap();
             assert_eq!(resp.headers()["content-length"], "9");
             assert!(resp
                 .into_body()
@@ -1039,12 +1050,57 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_connection_is_a_connect_error() {
+    async fn a_refused_connection_is_a_connect_error_and_nothing_is_written() {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let authority = Authority::try_from(l.local_addr().unwrap().to_string()).unwrap();
         drop(l);
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
-        let err = links.send(&authority, get(&authority)).await.unwrap_err();
+        let mut written = false;
+        let err = links
+            .send(&authority, get(&authority), || written = true)
+            .await
+            .unwrap_err();
         assert!(err.is_connect(), "{err}");
+        assert!(!written);
+    }
+
+    /// The replica answers only once `written` has run: a send that ran it after reading the
+    /// response would wait forever (the test's timeout says so instead).
+    #[tokio::test]
+    async fn written_runs_after_the_request_is_sent_and_before_the_answer() {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let authority = Authority::try_from(l.local_addr().unwrap().to_string()).unwrap();
+        let (go, wait) = tokio::sync::oneshot::channel::<()>();
+        let replica = tokio::spawn(async move {
+            let (mut sock, _) = l.accept().await.unwrap();
+            let mut got = Vec::new();
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                let mut buf = [0u8; 1024];
+                let n = sock.read(&mut buf).await.unwrap();
+                assert!(n > 0, "closed before the request's head");
+                got.extend_from_slice(&buf[..n]);
+            }
+            wait.await.unwrap();
+            sock.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                .await
+                .unwrap();
+            got
+        });
+        let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+        let mut go = Some(go);
+        let mut runs = 0;
+        let sent = links.send(&authority, get(&authority), || {
+            runs += 1;
+            go.take().unwrap().send(()).unwrap();
+        });
+        let resp = tokio::time::timeout(Duration::from_secs(30), sent)
+            .await
+            .expect("the answer waited for `written`, which never ran")
+            .unwrap();
+        assert_eq!(runs, 1);
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"ok");
+        let got = replica.await.unwrap();
+        assert!(got.starts_with(b"GET /x HTTP/1.1\r\n"), "{got:?}");
     }
 }

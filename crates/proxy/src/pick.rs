@@ -78,6 +78,8 @@ impl Picker {
         prepared.subset = req.subset;
         // A gateway may fall back down the whole list.
         let mut routed = decide::route(fleet, prepared, usize::MAX);
+        // Nothing waits on the gateway's side: the baselines see the request now.
+        let baselines = decide::observe(&routed);
         if routed.targets.is_empty() {
             decide::landed(fleet, &mut routed, None);
             let p = &routed.prepared;
@@ -88,7 +90,7 @@ impl Picker {
         Ok(Pick::new(
             fleet.clone(),
             route,
-            Picked::Routed(Box::new(routed)),
+            Picked::Routed(Box::new(routed), baselines),
             admitted,
             prompt_tokens,
         ))
@@ -164,28 +166,32 @@ fn no_endpoint(fleet: &Fleet, pool: &str, subset: Option<&[String]>) -> RequestE
 
 #[derive(Debug)]
 enum Picked {
-    Routed(Box<Routed>),
-    ByLoad { pool: String, targets: Vec<Target> },
+    /// The routed request, and what the pool's baselines guessed for it.
+    Routed(Box<Routed>, Vec<BaselineGuess>),
+    ByLoad {
+        pool: String,
+        targets: Vec<Target>,
+    },
 }
 
 impl Picked {
     fn targets(&self) -> &[Target] {
         match self {
-            Picked::Routed(r) => &r.targets,
+            Picked::Routed(r, _) => &r.targets,
             Picked::ByLoad { targets, .. } => targets,
         }
     }
 
     fn baselines(&self) -> &[BaselineGuess] {
         match self {
-            Picked::Routed(r) => &r.baselines,
+            Picked::Routed(_, baselines) => baselines,
             Picked::ByLoad { .. } => &[],
         }
     }
 
     fn pool(&self) -> &str {
         match self {
-            Picked::Routed(r) => &r.prepared.pool.name,
+            Picked::Routed(r, _) => &r.prepared.pool.name,
             Picked::ByLoad { pool, .. } => pool,
         }
     }
@@ -303,7 +309,7 @@ impl Pick {
                     ));
                 }
                 if answered {
-                    if let Picked::Routed(r) = &self.picked {
+                    if let Picked::Routed(r, _) = &self.picked {
                         r.prepared
                             .pool
                             .count_routed(self.prompt_tokens, t.predicted_cached);
@@ -315,7 +321,7 @@ impl Pick {
                 // Not one the router picked: the gateway routed on its own (fail-open, or a
                 // stale list). The claim follows it if it is a replica of the pool.
                 let pool = match &self.picked {
-                    Picked::Routed(r) => Some(r.prepared.pool.clone()),
+                    Picked::Routed(r, _) => Some(r.prepared.pool.clone()),
                     Picked::ByLoad { .. } => None,
                 };
                 let other = pool.and_then(|p| {
@@ -331,7 +337,7 @@ impl Pick {
                 (Served::Elsewhere, url)
             }
         };
-        if let Picked::Routed(r) = &mut self.picked {
+        if let Picked::Routed(r, _) = &mut self.picked {
             let used = match how {
                 Served::Target(i) if answered => Some(i),
                 _ => None,
@@ -397,7 +403,7 @@ impl Pick {
                 })
                 .observe(self.start.elapsed().as_secs_f64());
         }
-        if let (Picked::Routed(_), Some(actual), Some((Served::Target(i), _))) = (
+        if let (Picked::Routed(..), Some(actual), Some((Served::Target(i), _))) = (
             &self.picked,
             self.scanner.cached_tokens(),
             self.served.as_ref(),
@@ -429,7 +435,7 @@ impl Pick {
         }
         if self.served.is_none() {
             if !clean {
-                if let Picked::Routed(r) = &mut self.picked {
+                if let Picked::Routed(r, _) = &mut self.picked {
                     decide::landed(&self.fleet, r, None);
                 }
             }

@@ -105,7 +105,6 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         prepared,
         fleet.settings.max_attempts.max(1) as usize,
     );
-    decide::record_decision(&fleet, &routed);
     warming::spawn(&fleet, &upstream, &mut routed, &parts.headers);
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
@@ -113,7 +112,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         pool: pool.clone(),
         accounting: Accounting::Routed {
             prompt_tokens,
-            baselines: std::mem::take(&mut routed.baselines),
+            baselines: Vec::new(),
         },
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
@@ -122,7 +121,12 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         start,
         admitted,
     };
-    match forward(&fleet, &upstream, fwd, &routed.targets).await {
+    // What the response does not need waits until the request is on its way.
+    let observe = || {
+        decide::record_decision(&fleet, &routed);
+        decide::observe(&routed)
+    };
+    match forward(&fleet, &upstream, fwd, &routed.targets, observe).await {
         Ok((resp, used)) => {
             let answered = resp.status() != StatusCode::SERVICE_UNAVAILABLE;
             if let Some(t) = routed.targets.get(used).filter(|_| answered) {
@@ -204,7 +208,7 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
         start,
         admitted,
     };
-    match forward(&fleet, &upstream, fwd, &targets).await {
+    match forward(&fleet, &upstream, fwd, &targets, Vec::new).await {
         Ok((resp, _)) => resp,
         Err(e) => reject(&fleet, route, e),
     }

@@ -69,10 +69,22 @@ impl Upstream {
         endpoint: &Endpoint,
         req: Request<Full<Bytes>>,
     ) -> Result<Response<LinkBody>, LinkError> {
+        self.send_then(endpoint, req, || ()).await
+    }
+
+    /// [`Upstream::send`], running `written` once the request is on its way (see
+    /// [`Links::send`]; over HTTP/2, before it is handed to the connection).
+    pub async fn send_then(
+        &self,
+        endpoint: &Endpoint,
+        req: Request<Full<Bytes>>,
+        written: impl FnOnce(),
+    ) -> Result<Response<LinkBody>, LinkError> {
         if endpoint.h2c {
+            written();
             self.0.links.send_h2(&endpoint.authority, req).await
         } else {
-            self.0.links.send(&endpoint.authority, req).await
+            self.0.links.send(&endpoint.authority, req, written).await
         }
     }
 

@@ -405,6 +405,68 @@ async fn savings_are_compared_with_what_round_robin_would_have_cached() {
     );
 }
 
+/// The baselines see each routed request once, also one that a replica's 503 moved on to the
+/// next replica. The live policy and the round-robin baseline both alternate over the two
+/// replicas (the busy one first), so the baseline, deciding the document's four requests,
+/// places it on the busy replica, the live one, the busy one and the live one, and finds it
+/// cached on the third and fourth. Had it seen each moved request twice (or not at all) it
+/// would have found it cached on the last three (or none).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_baselines_see_a_moved_request_once() {
+    let s = sim(SimOpts::default()).await;
+    let busy = fake_replica(
+        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+            .to_vec(),
+        false,
+    )
+    .await;
+    let replicas = vec![ReplicaSpec::new(&url(busy)), ReplicaSpec::new(&url(s.addr))];
+    let mut p = pool(replicas, parse("round-robin"));
+    p.baselines = vec!["round-robin".into()];
+    let mut cfg = config(vec![p]);
+    cfg.scrape.interval_ms = 0;
+    let proxy = router(cfg).await;
+    let mut cached = Vec::new();
+    for q in ["First?", "Second?", "Third?", "Fourth?"] {
+        let r = post(
+            proxy.data_addr(),
+            "/v1/completions",
+            &completion(&prompt(9, q), 2),
+        )
+        .await;
+        assert_eq!(r.status, 200, "{}", r.body);
+        cached.push(r.cached_tokens());
+    }
+    let (_, text) = get(proxy.admin_addr(), "/metrics").await;
+    assert_eq!(
+        metric(
+            &text,
+            "kinference_retries_total{pool=\"tiny\",kind=\"unavailable\"}"
+        ),
+        2.0,
+        "{text}"
+    );
+    // One replica answers: the document is cached there from the second request on.
+    assert_eq!(cached[0], 0);
+    assert!(
+        cached[1] > 0 && cached[1..].iter().all(|&c| c == cached[1]),
+        "{cached:?}"
+    );
+    let (status, body) = get(proxy.admin_addr(), "/debug/savings").await;
+    assert_eq!(status, 200, "{body}");
+    let savings: kinference_proxy::api::SavingsResponse = serde_json::from_str(&body).unwrap();
+    let pool = &savings.pools[0];
+    assert_eq!(pool.figures.requests_observed, 4);
+    assert_eq!(pool.baselines[0].policy, "round-robin");
+    assert_eq!(
+        pool.baselines[0].cached_tokens,
+        2 * cached[1],
+        "{savings:#?}"
+    );
+    wait_idle(&proxy).await;
+    proxy.shutdown().await;
+}
+
 /// A replica's scale-in cost is the prefix it served from cache that no other replica held;
 /// once another replica caches that prefix too, losing the first would cost nothing, and its
 /// cost says so.
