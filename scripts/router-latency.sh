@@ -120,6 +120,8 @@ die() { log "error: $*"; exit 1; }
 source "$HERE/lib/proc.sh"
 # shellcheck source=lib/net.sh
 source "$HERE/lib/net.sh"
+# shellcheck source=lib/nginx.sh
+source "$HERE/lib/nginx.sh"
 
 # --- processes to stop on exit
 PIDS=()
@@ -327,49 +329,6 @@ done
 chat_stream_ok "${URLS[0]}" || die "replica ${URLS[0]} does not stream /v1/chat/completions"
 log "replicas: ${URLS[*]}"
 
-# nginx as a plain HTTP hop: workers on the router's CPUs, keep-alive both ways (no request
-# limit per connection, as the routers have none), nothing buffered, TCP_NODELAY.
-nginx_conf() { # DIR PORT
-  local dir=$1 port=$2 workers u servers=""
-  mkdir -p "$dir/tmp"
-  workers=$("${PIN_ROUTER[@]}" nproc)
-  for u in "${URLS[@]}"; do servers+="    server ${u#http://};"$'\n'; done
-  cat >"$dir/nginx.conf" <<NGINXEOF
-daemon off;
-master_process on;
-worker_processes $workers;
-pid $dir/nginx.pid;
-error_log $dir/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $dir/tmp/body;
-  proxy_temp_path $dir/tmp/proxy;
-  fastcgi_temp_path $dir/tmp/fastcgi;
-  uwsgi_temp_path $dir/tmp/uwsgi;
-  scgi_temp_path $dir/tmp/scgi;
-  client_max_body_size 64m;
-  client_body_buffer_size 1m;
-  keepalive_requests 100000000;
-  upstream replicas {
-$servers    keepalive 256;
-    keepalive_requests 100000000;
-  }
-  server {
-    listen 127.0.0.1:$port;
-    location / {
-      proxy_pass http://replicas;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering off;
-      tcp_nodelay on;
-    }
-  }
-}
-NGINXEOF
-}
-
 # --- targets
 ROUTER_PID=""
 # The kinference target's admin address while it runs (empty for every other target).
@@ -418,7 +377,8 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
       ;;
     nginx)
       port=$(free_ports 1)
-      nginx_conf "$OUT/nginx.r$round" "$port"
+      # Its workers on the router's CPUs.
+      nginx_conf "$OUT/nginx.r$round" "$port" "$("${PIN_ROUTER[@]}" nproc)" "${URLS[@]}"
       "${PIN_ROUTER[@]}" "$NGINX" -p "$OUT/nginx.r$round" -c "$OUT/nginx.r$round/nginx.conf" \
         -e "$OUT/nginx.r$round/error.log" >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;

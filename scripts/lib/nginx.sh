@@ -1,0 +1,47 @@
+# nginx.sh - nginx as a plain HTTP hop in front of replicas, the floor the router benchmarks
+# judge an L7 router against (scripts/router-latency.sh, scripts/router-paired.sh).
+
+# nginx_conf DIR PORT WORKERS URL...: writes DIR/nginx.conf: WORKERS worker processes
+# listening on 127.0.0.1:PORT, round-robin over the replicas at URL... (http://host:port),
+# keep-alive both ways (no request limit per connection, as the routers have none), nothing
+# buffered, TCP_NODELAY. Start it with `nginx -p DIR -c DIR/nginx.conf -e DIR/error.log`.
+nginx_conf() {
+  local dir=$1 port=$2 workers=$3 u servers=""
+  shift 3
+  mkdir -p "$dir/tmp"
+  for u in "$@"; do servers+="    server ${u#http://};"$'\n'; done
+  cat >"$dir/nginx.conf" <<NGINXEOF
+daemon off;
+master_process on;
+worker_processes $workers;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $dir/tmp/body;
+  proxy_temp_path $dir/tmp/proxy;
+  fastcgi_temp_path $dir/tmp/fastcgi;
+  uwsgi_temp_path $dir/tmp/uwsgi;
+  scgi_temp_path $dir/tmp/scgi;
+  client_max_body_size 64m;
+  client_body_buffer_size 1m;
+  keepalive_requests 100000000;
+  upstream replicas {
+$servers    keepalive 256;
+    keepalive_requests 100000000;
+  }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://replicas;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      tcp_nodelay on;
+    }
+  }
+}
+NGINXEOF
+}
