@@ -121,8 +121,9 @@ impl Accounting {
 /// with the response. An error is for the caller to answer: nothing reached the client.
 ///
 /// `observe` answers the baselines' guesses for a routed request (see [`Accounting`]): run
-/// once, while the first replica tried works on the request (else before the answer), and
-/// whatever happens to the request, since the baselines saw every routed request.
+/// once, while the first replica tried works on the request (else before the answer), also
+/// when every replica fails, since the baselines saw every routed request. A request whose
+/// client leaves before it is sent (this future dropped) is not observed.
 pub(crate) async fn forward(
     fleet: &Arc<Fleet>,
     upstream: &Upstream,
