@@ -69,12 +69,7 @@ pub(crate) enum Accounting {
     /// Placed by the pool's policy: its prompt's uncached tokens count as prefill in flight
     /// until the first byte, and the cached tokens the replica reports are compared with the
     /// prediction.
-    Routed {
-        prompt_tokens: u32,
-        /// The baselines' guesses for the request, counted with its usage (set by
-        /// [`forward`]).
-        baselines: Vec<BaselineGuess>,
-    },
+    Routed { prompt_tokens: u32 },
     /// Passed through by load: nothing predicted, nothing to compare.
     Passthrough,
 }
@@ -82,21 +77,6 @@ pub(crate) enum Accounting {
 impl Accounting {
     fn routed(&self) -> bool {
         matches!(self, Accounting::Routed { .. })
-    }
-
-    /// Records the baselines' guesses (a passed-through request has none).
-    fn set_baselines(&mut self, guesses: Vec<BaselineGuess>) {
-        if let Accounting::Routed { baselines, .. } = self {
-            *baselines = guesses;
-        }
-    }
-
-    /// The baselines' guesses, moved out (to the response body, which counts them).
-    fn take_baselines(&mut self) -> Vec<BaselineGuess> {
-        match self {
-            Accounting::Routed { baselines, .. } => std::mem::take(baselines),
-            Accounting::Passthrough => Vec::new(),
-        }
     }
 
     fn prompt_tokens(&self) -> u32 {
@@ -120,14 +100,15 @@ impl Accounting {
 /// Sends the request to the first target that takes it; the index of that target comes back
 /// with the response. An error is for the caller to answer: nothing reached the client.
 ///
-/// `observe` answers the baselines' guesses for a routed request (see [`Accounting`]): run
-/// once, while the first replica tried works on the request (else before the answer), also
-/// when every replica fails, since the baselines saw every routed request. A request whose
-/// client leaves before it is sent (this future dropped) is not observed.
+/// `observe` answers the baselines' guesses for a routed request (none for a passed-through
+/// one), which the response body counts with the request's usage: run once, while the first
+/// replica tried works on the request (else before the answer), also when every replica
+/// fails, since the baselines saw every routed request. A request whose client leaves before
+/// it is sent (this future dropped) is not observed.
 pub(crate) async fn forward(
     fleet: &Arc<Fleet>,
     upstream: &Upstream,
-    mut req: Forward,
+    req: Forward,
     targets: &[Target],
     observe: impl FnOnce() -> Vec<BaselineGuess>,
 ) -> Result<(Response, usize), RequestError> {
@@ -139,23 +120,16 @@ pub(crate) async fn forward(
     let mut guesses = Vec::new();
     for (i, t) in targets.iter().take(attempts).enumerate() {
         let more = i + 1 < attempts;
-        let written = || {
-            if let Some(observe) = observe.take() {
-                guesses = observe();
-            }
-        };
+        let written = || observe_once(&mut observe, &mut guesses);
         let tried = attempt(fleet, upstream, &req, t, more, &mut failures, written).await;
-        if let Some(observe) = observe.take() {
-            guesses = observe();
-        }
+        // Not written (refused, or failed before the write): observed now.
+        observe_once(&mut observe, &mut guesses);
         if let Some((guard, resp)) = tried? {
-            req.accounting.set_baselines(guesses);
-            return Ok((respond(fleet, req, t, guard, resp), i));
+            return Ok((respond(fleet, req, t, guard, resp, guesses), i));
         }
     }
-    if let Some(observe) = observe.take() {
-        observe();
-    }
+    // No replica to try.
+    observe_once(&mut observe, &mut guesses);
     let pool = req.pool.name.clone();
     let detail = if failures.is_empty() {
         "no replica is configured".to_owned()
@@ -167,6 +141,16 @@ pub(crate) async fn forward(
         detail,
         retry_after_s: fleet.settings.limits.retry_after_s,
     })
+}
+
+/// Runs `observe`, if it has not run yet, into `guesses`.
+fn observe_once(
+    observe: &mut Option<impl FnOnce() -> Vec<BaselineGuess>>,
+    guesses: &mut Vec<BaselineGuess>,
+) {
+    if let Some(observe) = observe.take() {
+        *guesses = observe();
+    }
 }
 
 /// One attempt at target `t`: its response head with the in-flight guard, `None` when the
@@ -194,7 +178,7 @@ async fn attempt(
     let first_byte = settings.timeouts.first_byte();
     let sent = tokio::time::timeout(
         first_byte,
-        upstream.send_then(&t.replica.endpoint, upstream_req, written),
+        upstream.send(&t.replica.endpoint, upstream_req, written),
     )
     .await;
     match sent {
@@ -287,10 +271,11 @@ fn count_retry(fleet: &Fleet, req: &Forward, kind: &'static str) {
 
 fn respond(
     fleet: &Arc<Fleet>,
-    mut req: Forward,
+    req: Forward,
     t: &Target,
     guard: InFlight,
     resp: http::Response<LinkBody>,
+    baselines: Vec<BaselineGuess>,
 ) -> Response {
     let (parts, incoming) = resp.into_parts();
     let status = parts.status;
@@ -333,7 +318,7 @@ fn respond(
             pool: req.accounting.routed().then(|| req.pool.clone()),
             prompt_tokens: req.accounting.prompt_tokens(),
             predicted_cached: t.predicted_cached,
-            baselines: req.accounting.take_baselines(),
+            baselines,
             start: req.start,
         },
     };

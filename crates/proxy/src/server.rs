@@ -110,10 +110,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     let fwd = Forward {
         route: label,
         pool: pool.clone(),
-        accounting: Accounting::Routed {
-            prompt_tokens,
-            baselines: Vec::new(),
-        },
+        accounting: Accounting::Routed { prompt_tokens },
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
         headers: parts.headers,

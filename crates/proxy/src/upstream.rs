@@ -63,18 +63,9 @@ impl Upstream {
         }))
     }
 
-    /// Forwards one request to `endpoint`.
-    pub async fn send(
-        &self,
-        endpoint: &Endpoint,
-        req: Request<Full<Bytes>>,
-    ) -> Result<Response<LinkBody>, LinkError> {
-        self.send_then(endpoint, req, || ()).await
-    }
-
-    /// [`Upstream::send`], running `written` once the request is on its way (see
+    /// Forwards one request to `endpoint`, running `written` once it is on its way (see
     /// [`Links::send`]; over HTTP/2, before it is handed to the connection).
-    pub async fn send_then(
+    pub async fn send(
         &self,
         endpoint: &Endpoint,
         req: Request<Full<Bytes>>,

@@ -128,7 +128,7 @@ pub(crate) fn spawn(
         let timeout = fleet.settings.timeouts.first_byte();
         let sent = tokio::time::timeout(timeout, async {
             let resp = upstream
-                .send(&replica.endpoint, req)
+                .send(&replica.endpoint, req, || ())
                 .await
                 .map_err(|e| error_chain(&e))?;
             let status = resp.status();

@@ -414,12 +414,7 @@ async fn savings_are_compared_with_what_round_robin_would_have_cached() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_baselines_see_a_moved_request_once() {
     let s = sim(SimOpts::default()).await;
-    let busy = fake_replica(
-        b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-            .to_vec(),
-        false,
-    )
-    .await;
+    let busy = busy_replica().await;
     let replicas = vec![ReplicaSpec::new(&url(busy)), ReplicaSpec::new(&url(s.addr))];
     let mut p = pool(replicas, parse("round-robin"));
     p.baselines = vec!["round-robin".into()];
@@ -1321,15 +1316,20 @@ async fn fake_replica(response: Vec<u8>, hold: bool) -> SocketAddr {
     addr
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_503_head_moves_the_request_to_the_next_replica() {
-    let s = sim(SimOpts::default()).await;
-    let busy = fake_replica(
+/// A fake replica that answers every request 503 and closes.
+async fn busy_replica() -> SocketAddr {
+    fake_replica(
         b"HTTP/1.1 503 Service Unavailable\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
             .to_vec(),
         false,
     )
-    .await;
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_503_head_moves_the_request_to_the_next_replica() {
+    let s = sim(SimOpts::default()).await;
+    let busy = busy_replica().await;
     let replicas = vec![ReplicaSpec::new(&url(busy)), ReplicaSpec::new(&url(s.addr))];
     let mut cfg = config(vec![pool(replicas, parse("round-robin"))]);
     cfg.scrape.interval_ms = 0;
