@@ -35,6 +35,8 @@ REPO=$(cd "$HERE/.." && pwd)
 source "$HERE/lib/proc.sh"
 # shellcheck source=lib/net.sh
 source "$HERE/lib/net.sh"
+# shellcheck source=lib/bench.sh
+source "$HERE/lib/bench.sh"
 ROUTER=$1
 SIM=${2:-$1}
 N1=${N1:-20}
@@ -58,15 +60,8 @@ esac
 PIDS=()
 trap 'for p in "${PIDS[@]}"; do stop_tree "$p" 5; done' EXIT
 
-"$SIM" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$TOKENIZER" --block-size 16 \
-  --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
-  >"$OUT/sim.out" 2>"$OUT/sim.err" &
-PIDS+=($!)
-wait_sim_replicas "$OUT/sim.out" "$!" 4
-REPLICAS=()
-while read -r line; do
-  REPLICAS+=(--replica "$(field "$line" url),events=$(dial "$(field "$line" events)"),replay=$(field "$line" replay)")
-done < <(grep '^replica=' "$OUT/sim.out")
+start_sim "$SIM" "$TOKENIZER" "$OUT" || { stop_tree "$SIM_PID" 5; exit 1; }
+PIDS+=("$SIM_PID")
 
 # count N: runs the router under callgrind for N requests and prints its instruction total.
 count() {
@@ -74,7 +69,7 @@ count() {
   mkdir -p "$dir"
   NO_COLOR=1 valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$dir/callgrind.out" "$ROUTER" serve \
     --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" --block-size 16 \
-    --policy precise --scrape-interval-ms 0 "${REPLICAS[@]}" >"$dir/router.out" 2>"$dir/router.err" &
+    --policy precise --scrape-interval-ms 0 "${SIM_REPLICAS[@]}" >"$dir/router.out" 2>"$dir/router.err" &
   pid=$!
   PIDS+=("$pid")
   read -r data admin < <(router_addrs "$dir/router.err" "$pid" 600)

@@ -46,6 +46,8 @@ source "$HERE/lib/proc.sh"
 source "$HERE/lib/net.sh"
 # shellcheck source=lib/nginx.sh
 source "$HERE/lib/nginx.sh"
+# shellcheck source=lib/bench.sh
+source "$HERE/lib/bench.sh"
 
 SIDES=("$1" "$2")
 REQUESTS=${REQUESTS:-5000}
@@ -90,24 +92,17 @@ trap 'exit 130' INT TERM
 
 # start_side I SIDE DIR: SIDE's replicas and router, in DIR; sets URL.
 start_side() {
-  local i=$1 side=$2 dir=$3 line port pid data admin replicas=() urls=()
+  local i=$1 side=$2 dir=$3 port pid data admin
   mkdir -p "$dir"
-  "$SIM" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$TOKENIZER" \
-    --block-size 16 --speedup 100000 --events-endpoint 'tcp://*:0' \
-    --replay-endpoint 'tcp://127.0.0.1:0' >"$dir/sim.out" 2>"$dir/sim.err" &
-  PIDS+=($!)
-  wait_sim_replicas "$dir/sim.out" "$!" 4 || die "$side's simulator did not start (see $dir/sim.err)"
-  while read -r line; do
-    urls+=("$(field "$line" url)")
-    replicas+=(--replica "$(field "$line" url),events=$(dial "$(field "$line" events)"),replay=$(field "$line" replay)")
-  done < <(grep '^replica=' "$dir/sim.out")
+  start_sim "$SIM" "$TOKENIZER" "$dir" || { stop_tree "$SIM_PID" 5; die "$side's simulator did not start"; }
+  PIDS+=("$SIM_PID")
   case $side in
     direct)
-      URL=${urls[0]}
+      URL=${SIM_URLS[0]}
       ;;
     nginx)
       port=$(free_ports 1)
-      nginx_conf "$dir/nginx" "$port" "$(nproc)" "${urls[@]}"
+      nginx_conf "$dir/nginx" "$port" "$(nproc)" "${SIM_URLS[@]}"
       "$NGINX" -p "$dir/nginx" -c "$dir/nginx/nginx.conf" -e "$dir/nginx/error.log" \
         >"$dir/router.out" 2>"$dir/router.err" &
       pid=$!
@@ -117,7 +112,7 @@ start_side() {
       ;;
     *)
       NO_COLOR=1 "$side" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench \
-        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${replicas[@]}" "${KINF_EXTRA[@]}" \
+        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${SIM_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
         >"$dir/router.out" 2>"$dir/router.err" &
       pid=$!
       PIDS+=("$pid")
@@ -126,7 +121,7 @@ start_side() {
       URL=http://$data
       ;;
   esac
-  echo "position $i: $side at $URL, replicas ${urls[*]}" >>"$OUT/sides.txt"
+  echo "position $i: $side at $URL, replicas ${SIM_URLS[*]}" >>"$OUT/sides.txt"
 }
 
 describe() { # SIDE

@@ -1,7 +1,8 @@
 # bench.sh - the fleet scripts/router-syscalls.sh and scripts/router-allocations.sh count the
 # router's per-request work against: 4 simulated replicas with KV events on (one `kinference
 # sim` process, --speedup 100000) and `kinference serve --policy precise` in front, both on
-# port 0, and the run both make against it. Needs lib/proc.sh and lib/net.sh sourced first.
+# port 0, and the run both make against it (and the replicas alone, for scripts/router-paired.sh
+# and scripts/router-instructions.sh). Needs lib/proc.sh and lib/net.sh sourced first.
 
 # bench_setup NAME BINARY: the settings both scripts take (BIN made absolute; TOKENIZER,
 # WARMUP, DURATION, WORKLOAD, and OUT, a fresh directory under RESULTS or target/NAME) and a
@@ -31,22 +32,35 @@ bench_setup() {
   esac
 }
 
-# start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
-# the router answers a completion. Sets SIM_PID and ROUTER_PID, each as soon as its process
-# is started (for the caller's cleanup trap), and URL, the router's data address.
-start_bench_fleet() {
-  local bin=$1 tokenizer=$2 out=$3 line data replicas=()
+# start_sim BIN TOKENIZER OUT: the 4 simulated replicas (one `kinference sim` process on port
+# 0, --speedup 100000, KV events and replay on; its output in OUT/sim.out and OUT/sim.err),
+# waited for. Sets SIM_PID as soon as the process is started (for the caller's cleanup),
+# SIM_URLS (the replicas' base URLs) and SIM_REPLICAS (their `--replica URL,events=..,replay=..`
+# arguments for `kinference serve`).
+start_sim() {
+  local bin=$1 tokenizer=$2 out=$3 line
   "$bin" sim --host 127.0.0.1 --port 0 --replicas 4 --model bench --tokenizer "$tokenizer" \
     --block-size 16 --speedup 100000 --events-endpoint 'tcp://*:0' --replay-endpoint 'tcp://127.0.0.1:0' \
     >"$out/sim.out" 2>"$out/sim.err" &
   SIM_PID=$!
   wait_sim_replicas "$out/sim.out" "$SIM_PID" 4 || { tail -20 "$out/sim.err" >&2; return 1; }
+  SIM_URLS=()
+  SIM_REPLICAS=()
   while read -r line; do
-    replicas+=(--replica "$(field "$line" url),events=$(dial "$(field "$line" events)"),replay=$(field "$line" replay)")
+    SIM_URLS+=("$(field "$line" url)")
+    SIM_REPLICAS+=(--replica "$(field "$line" url),events=$(dial "$(field "$line" events)"),replay=$(field "$line" replay)")
   done < <(grep '^replica=' "$out/sim.out")
+}
+
+# start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
+# the router answers a completion. Sets SIM_PID and ROUTER_PID, each as soon as its process
+# is started (for the caller's cleanup trap), and URL, the router's data address.
+start_bench_fleet() {
+  local bin=$1 tokenizer=$2 out=$3 data
+  start_sim "$bin" "$tokenizer" "$out" || return 1
 
   NO_COLOR=1 "$bin" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$tokenizer" \
-    --block-size 16 --policy precise "${replicas[@]}" >"$out/router.out" 2>"$out/router.err" &
+    --block-size 16 --policy precise "${SIM_REPLICAS[@]}" >"$out/router.out" 2>"$out/router.err" &
   ROUTER_PID=$!
   read -r data _ < <(router_addrs "$out/router.err" "$ROUTER_PID" 60)
   URL=http://127.0.0.1:${data##*:}
