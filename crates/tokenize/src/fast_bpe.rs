@@ -29,6 +29,12 @@
 //!   merged token changes); words longer than [`LONG_WORD`] run that heap algorithm itself.
 //!   Merge results of words up to 48 bytes are cached per thread and tokenizer, as
 //!   `tokenizers` caches its BPE words (exact: a word's ids depend on its bytes alone).
+//!   Before both, a word that is one vocabulary entry is looked up whole: under
+//!   `ignore_merges` as the model itself does; without it, only among the entries whose bytes
+//!   this merge loop turns back into that entry (all of qwen2/qwen3's, all but 3 of
+//!   deepseek-v3's; tested entry by entry against the model's own `tokenize`), so a word that
+//!   misses the per-thread cache, as new text's rarer words do, costs one probe instead of a
+//!   merge-table probe per pair of bytes.
 //!
 //! Exactness is proven by tests against the reference on every shared tokenizer the fast path
 //! accepts (`fast_bpe_equals_reference` in this module, and the `--ignored` 100k-per-tokenizer
@@ -272,8 +278,15 @@ struct Bpe {
     cache_id: u64,
     byte_ids: [u32; 256],
     merges: PairMap,
-    /// With `ignore_merges`: whole words in the vocabulary, by their bytes.
-    whole_words: Option<ahash::AHashMap<Vec<u8>, u32>>,
+    /// The model looks a whole word up in its vocabulary before merging (`ignore_merges`).
+    ignore_merges: bool,
+    /// Words whose one id is known without merging, by their bytes. With `ignore_merges`,
+    /// every vocabulary entry (the model's own first step). Without it, the entries whose
+    /// bytes merge into that one entry, found at load by this model's own merge loop, so a hit
+    /// is exactly what merging would give: most words of a text are whole entries, and a
+    /// word that misses the per-thread cache then costs one probe here instead of a merge
+    /// probe per pair of its bytes, each cold in a table of megabytes.
+    whole_words: ahash::AHashMap<Vec<u8>, u32>,
 }
 
 impl Bpe {
@@ -324,31 +337,44 @@ impl Bpe {
             let rank = u32::try_from(rank).map_err(|e| e.to_string())?;
             merges.insert(pair(ia, ib), (rank, new));
         }
-        let whole_words = model.ignore_merges.then(|| {
-            let mut to_byte = HashMap::new();
-            for (b, c) in chars.iter().enumerate() {
-                to_byte.insert(*c, b as u8);
-            }
-            vocab
-                .iter()
-                .filter_map(|(s, &id)| {
-                    let bytes: Option<Vec<u8>> =
-                        s.chars().map(|c| to_byte.get(&c).copied()).collect();
-                    bytes.map(|b| (b, id))
-                })
-                .collect()
-        });
         static NEXT_CACHE_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        Ok(Bpe {
+        let mut this = Bpe {
             cache_id: NEXT_CACHE_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             byte_ids,
             merges,
-            whole_words,
-        })
+            ignore_merges: model.ignore_merges,
+            whole_words: ahash::AHashMap::new(),
+        };
+        let mut to_byte = HashMap::new();
+        for (b, c) in chars.iter().enumerate() {
+            to_byte.insert(*c, b as u8);
+        }
+        let mut sc = Scratch::default();
+        let mut merged = Vec::new();
+        let mut whole_words = ahash::AHashMap::with_capacity(vocab.len());
+        for (s, &id) in &vocab {
+            let Some(bytes) = s
+                .chars()
+                .map(|c| to_byte.get(&c).copied())
+                .collect::<Option<Vec<u8>>>()
+            else {
+                continue;
+            };
+            if !this.ignore_merges {
+                merged.clear();
+                this.merge(&bytes, &mut sc, &mut merged);
+                if merged != [id] {
+                    continue;
+                }
+            }
+            whole_words.insert(bytes, id);
+        }
+        this.whole_words = whole_words;
+        Ok(this)
     }
 
     #[inline]
-    fn merge(&self, a: u32, b: u32) -> Option<(u32, u32)> {
+    fn pair_merge(&self, a: u32, b: u32) -> Option<(u32, u32)> {
         self.merges.get(&pair(a, b)).copied()
     }
 
@@ -362,7 +388,7 @@ impl Bpe {
             }
             _ => {}
         }
-        if let Some(id) = self.whole_words.as_ref().and_then(|v| v.get(w)) {
+        if let Some(id) = self.whole_words.get(w) {
             out.push(*id);
             return;
         }
@@ -374,17 +400,22 @@ impl Bpe {
             }
         }
         let first = out.len();
-        if w.len() > LONG_WORD {
-            self.merge_heap(w, out);
-        } else {
-            self.merge_scan(w, sc, out);
-        }
+        self.merge(w, sc, out);
         if cacheable {
             if sc.cache.len() >= CACHE_WORDS {
                 sc.cache.clear();
             }
             let ids = out.get(first..).unwrap_or_default();
             sc.cache.insert(w.into(), ids.into());
+        }
+    }
+
+    /// Appends the merge result of a word of two bytes or more.
+    fn merge(&self, w: &[u8], sc: &mut Scratch, out: &mut Vec<u32>) {
+        if w.len() > LONG_WORD {
+            self.merge_heap(w, out);
+        } else {
+            self.merge_scan(w, sc, out);
         }
     }
 
@@ -398,7 +429,7 @@ impl Bpe {
         ranks.clear();
         ranks.extend(
             syms.windows(2)
-                .map(|p| self.merge(p[0], p[1]).unwrap_or(NONE)),
+                .map(|p| self.pair_merge(p[0], p[1]).unwrap_or(NONE)),
         );
         loop {
             let mut best = u32::MAX;
@@ -416,10 +447,10 @@ impl Bpe {
             syms.remove(at + 1);
             ranks.remove(at);
             if at > 0 {
-                ranks[at - 1] = self.merge(syms[at - 1], syms[at]).unwrap_or(NONE);
+                ranks[at - 1] = self.pair_merge(syms[at - 1], syms[at]).unwrap_or(NONE);
             }
             if at < ranks.len() {
-                ranks[at] = self.merge(syms[at], syms[at + 1]).unwrap_or(NONE);
+                ranks[at] = self.pair_merge(syms[at], syms[at + 1]).unwrap_or(NONE);
             }
         }
         out.extend_from_slice(syms);
@@ -437,7 +468,7 @@ impl Bpe {
         prev[0] = END;
         let mut heap: BinaryHeap<Reverse<(u32, usize, u32)>> = BinaryHeap::with_capacity(n);
         for i in 0..n - 1 {
-            if let Some((rank, new)) = self.merge(id[i], id[i + 1]) {
+            if let Some((rank, new)) = self.pair_merge(id[i], id[i + 1]) {
                 heap.push(Reverse((rank, i, new)));
             }
         }
@@ -446,7 +477,7 @@ impl Bpe {
                 continue;
             }
             let right = next[pos];
-            if self.merge(id[pos], id[right]).map(|m| m.1) != Some(new) {
+            if self.pair_merge(id[pos], id[right]).map(|m| m.1) != Some(new) {
                 continue;
             }
             id[pos] = new;
@@ -458,12 +489,12 @@ impl Bpe {
             }
             if prev[pos] != END {
                 let p = prev[pos];
-                if let Some((rank, new)) = self.merge(id[p], id[pos]) {
+                if let Some((rank, new)) = self.pair_merge(id[p], id[pos]) {
                     heap.push(Reverse((rank, p, new)));
                 }
             }
             if after != END {
-                if let Some((rank, new)) = self.merge(id[pos], id[after]) {
+                if let Some((rank, new)) = self.pair_merge(id[pos], id[after]) {
                     heap.push(Reverse((rank, pos, new)));
                 }
             }
@@ -733,7 +764,7 @@ impl std::fmt::Debug for FastBpe {
         f.debug_struct("FastBpe")
             .field("normalizer", &self.normalizer)
             .field("pre", &self.pre)
-            .field("ignore_merges", &self.bpe.whole_words.is_some())
+            .field("ignore_merges", &self.bpe.ignore_merges)
             .finish_non_exhaustive()
     }
 }
@@ -1437,6 +1468,60 @@ pub(crate) mod tests {
             proven.push((name, inputs + sharegpt.min(messages.len())));
         }
         proven
+    }
+
+    /// The words the merge loop is skipped for are exactly the vocabulary entries that
+    /// `tokenizers`' own BPE model turns into that one entry (every entry under
+    /// `ignore_merges`), checked entry by entry against the model rather than against this
+    /// module's merge loop, which built the table.
+    #[test]
+    fn whole_words_are_what_the_model_gives_whole() {
+        use tokenizers::Model;
+        let to_byte: HashMap<char, u8> = byte_chars()
+            .iter()
+            .enumerate()
+            .map(|(b, c)| (*c, b as u8))
+            .collect();
+        let mut checked = Vec::new();
+        for (name, path) in tokenizer_paths() {
+            let tk = HfTokenizer::from_file(&path).unwrap();
+            let Ok(bpe) = Bpe::from_model(&tk) else {
+                continue;
+            };
+            let ModelWrapper::BPE(model) = tk.get_model() else {
+                unreachable!("from_model accepted {name}");
+            };
+            let vocab = model.get_vocab();
+            let mut whole = 0;
+            for (s, &id) in &vocab {
+                let Some(bytes) = s
+                    .chars()
+                    .map(|c| to_byte.get(&c).copied())
+                    .collect::<Option<Vec<u8>>>()
+                else {
+                    assert!(!bpe.whole_words.values().any(|&v| v == id), "{name}: {s:?}");
+                    continue;
+                };
+                let tokens = model.tokenize(s).unwrap();
+                let one = matches!(tokens.as_slice(), [t] if t.id == id);
+                assert_eq!(
+                    bpe.whole_words.get(&bytes) == Some(&id),
+                    one,
+                    "{name}: {s:?} gives {tokens:?}"
+                );
+                whole += usize::from(one);
+            }
+            assert_eq!(bpe.whole_words.len(), whole, "{name}");
+            // Most entries are whole: a table that dropped them would be exact but useless.
+            assert!(
+                whole > vocab.len() * 9 / 10,
+                "{name}: {whole} of {} entries whole",
+                vocab.len()
+            );
+            eprintln!("{name}: {whole} of {} entries whole", vocab.len());
+            checked.push(name);
+        }
+        assert!(checked.iter().any(|n| n == "tiny-llama"), "{checked:?}");
     }
 
     /// A seeded sample in the default (debug) suite; the full proof is the ignored test below.
