@@ -12,6 +12,11 @@
 #                           before the first request (every event stream subscribed)
 #   nginx                   Debian's nginx, round-robin, keep-alive both ways (scripts/lib/nginx.sh)
 #   direct                  no router: replica 0 of its simulator
+#   nginx+sink, direct+sink nginx or direct, with an idle `kinference serve` (SIM_BIN) subscribed
+#                           to the replicas' KV events, as a kinference side's replicas are to
+#                           their router: replicas publish only to a subscriber, so without one
+#                           a kinference side's replicas do work on the shared cores that the
+#                           other side's do not (router-latency.sh's EVENTS_SINK)
 # `direct direct` measures the method itself: its median difference should be about zero. The
 # client is Python: its own time per request is in both sides' latencies, not in their
 # difference.
@@ -24,8 +29,8 @@
 # standard error; writes every latency under the results directory.
 #
 # usage: scripts/router-paired.sh A B
-#   A, B: a kinference binary, `nginx` or `direct`; the replicas are run by SIM_BIN (default:
-#   the first of A and B that is a binary).
+#   A, B: a kinference binary, `nginx`, `direct`, `nginx+sink` or `direct+sink`; the replicas
+#   are run by SIM_BIN (default: the first of A and B that is a binary).
 # env: REQUESTS=5000    recorded pairs per run
 #      WARMUP=500       pairs sent first in each run, not recorded
 #      WINDOWS=6        runs (even: each side is first in half of them)
@@ -67,13 +72,13 @@ die() { log "error: $*"; exit 1; }
 SIM=${SIM_BIN:-}
 for s in "${SIDES[@]}"; do
   case $s in
-    nginx)
+    nginx | nginx+sink)
       NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true)
       [ -n "$NGINX" ] || die "nginx is not installed (apt-get install nginx)"
       ;;
-    direct) ;;
+    direct | direct+sink) ;;
     *)
-      [ -x "$s" ] || die "$s is neither a kinference binary, nginx nor direct"
+      [ -x "$s" ] || die "$s is neither a kinference binary, nginx, direct nor one of them +sink"
       [ -n "$SIM" ] || SIM=$s
       ;;
   esac
@@ -92,15 +97,15 @@ trap 'exit 130' INT TERM
 
 # start_side I SIDE DIR: SIDE's replicas and router, in DIR; sets URL.
 start_side() {
-  local i=$1 side=$2 dir=$3 port pid data admin
+  local i=$1 side=$2 dir=$3 port pid
   mkdir -p "$dir"
   start_sim "$SIM" "$TOKENIZER" "$dir" || { stop_tree "$SIM_PID" 5; die "$side's simulator did not start"; }
   PIDS+=("$SIM_PID")
   case $side in
-    direct)
+    direct | direct+sink)
       URL=${SIM_URLS[0]}
       ;;
-    nginx)
+    nginx | nginx+sink)
       port=$(free_ports 1)
       nginx_conf "$dir/nginx" "$port" "$(nproc)" "${SIM_URLS[@]}"
       "$NGINX" -p "$dir/nginx" -c "$dir/nginx/nginx.conf" -e "$dir/nginx/error.log" \
@@ -111,21 +116,31 @@ start_side() {
       wait_port "127.0.0.1:$port" "$pid" 30 || die "nginx did not listen (see $dir/router.err)"
       ;;
     *)
-      NO_COLOR=1 "$side" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench \
-        --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${SIM_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
-        >"$dir/router.out" 2>"$dir/router.err" &
-      pid=$!
-      PIDS+=("$pid")
-      read -r data admin < <(router_addrs "$dir/router.err" "$pid" 120) || die "$side did not start"
-      wait_router_ready "http://$admin" "$pid" 4 60 || die "$side was not ready"
-      URL=http://$data
+      serve "$side" "$dir/router" "${KINF_EXTRA[@]}"
+      URL=$SERVED
       ;;
   esac
+  if [[ $side == *+sink ]]; then serve "$SIM" "$dir/sink"; fi
   echo "position $i: $side at $URL, replicas ${SIM_URLS[*]}" >>"$OUT/sides.txt"
 }
 
+# serve BIN PREFIX [FLAGS...]: `kinference serve` in front of the side's replicas (output in
+# PREFIX.out and PREFIX.err), ready (every event stream subscribed); sets SERVED to its URL.
+serve() {
+  local bin=$1 prefix=$2 pid data admin
+  shift 2
+  NO_COLOR=1 "$bin" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench \
+    --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${SIM_REPLICAS[@]}" "$@" \
+    >"$prefix.out" 2>"$prefix.err" &
+  pid=$!
+  PIDS+=("$pid")
+  read -r data admin < <(router_addrs "$prefix.err" "$pid" 120) || die "$bin did not start (see $prefix.err)"
+  wait_router_ready "http://$admin" "$pid" 4 60 || die "$bin was not ready (see $prefix.err)"
+  SERVED=http://$data
+}
+
 describe() { # SIDE
-  case $1 in nginx | direct) echo "$1" ;; *) echo "$1 ($("$1" --version 2>/dev/null))" ;; esac
+  case $1 in nginx | direct | *+sink) echo "$1" ;; *) echo "$1 ($("$1" --version 2>/dev/null))" ;; esac
 }
 
 {
