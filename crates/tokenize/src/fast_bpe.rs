@@ -272,6 +272,17 @@ fn byte_chars() -> [char; 256] {
     table
 }
 
+/// [`byte_chars`] the other way: the byte each `ByteLevel` char stands for.
+fn char_bytes() -> HashMap<char, u8> {
+    (0..=255u8).zip(byte_chars()).map(|(b, c)| (c, b)).collect()
+}
+
+/// The bytes a vocabulary entry stands for; `None` for an entry with a char no byte maps to
+/// (an added token's own spelling).
+fn token_bytes(token: &str, char_bytes: &HashMap<char, u8>) -> Option<Vec<u8>> {
+    token.chars().map(|c| char_bytes.get(&c).copied()).collect()
+}
+
 /// The BPE model over bytes.
 struct Bpe {
     /// Which thread-local word cache is this model's.
@@ -343,21 +354,13 @@ impl Bpe {
             byte_ids,
             merges,
             ignore_merges: model.ignore_merges,
-            whole_words: ahash::AHashMap::new(),
+            whole_words: ahash::AHashMap::with_capacity(vocab.len()),
         };
-        let mut to_byte = HashMap::new();
-        for (b, c) in chars.iter().enumerate() {
-            to_byte.insert(*c, b as u8);
-        }
+        let char_bytes = char_bytes();
         let mut sc = Scratch::default();
         let mut merged = Vec::new();
-        let mut whole_words = ahash::AHashMap::with_capacity(vocab.len());
         for (s, &id) in &vocab {
-            let Some(bytes) = s
-                .chars()
-                .map(|c| to_byte.get(&c).copied())
-                .collect::<Option<Vec<u8>>>()
-            else {
+            let Some(bytes) = token_bytes(s, &char_bytes) else {
                 continue;
             };
             if !this.ignore_merges {
@@ -367,9 +370,8 @@ impl Bpe {
                     continue;
                 }
             }
-            whole_words.insert(bytes, id);
+            this.whole_words.insert(bytes, id);
         }
-        this.whole_words = whole_words;
         Ok(this)
     }
 
@@ -1477,11 +1479,7 @@ pub(crate) mod tests {
     #[test]
     fn whole_words_are_what_the_model_gives_whole() {
         use tokenizers::Model;
-        let to_byte: HashMap<char, u8> = byte_chars()
-            .iter()
-            .enumerate()
-            .map(|(b, c)| (*c, b as u8))
-            .collect();
+        let char_bytes = char_bytes();
         let mut checked = Vec::new();
         for (name, path) in tokenizer_paths() {
             let tk = HfTokenizer::from_file(&path).unwrap();
@@ -1494,11 +1492,7 @@ pub(crate) mod tests {
             let vocab = model.get_vocab();
             let mut whole = 0;
             for (s, &id) in &vocab {
-                let Some(bytes) = s
-                    .chars()
-                    .map(|c| to_byte.get(&c).copied())
-                    .collect::<Option<Vec<u8>>>()
-                else {
+                let Some(bytes) = token_bytes(s, &char_bytes) else {
                     assert!(!bpe.whole_words.values().any(|&v| v == id), "{name}: {s:?}");
                     continue;
                 };
@@ -1682,6 +1676,9 @@ pub(crate) mod tests {
         all.sort_unstable();
         all.dedup();
         assert_eq!(all.len(), 256);
+        let back = char_bytes();
+        assert_eq!(back.len(), 256);
+        assert!(back.iter().all(|(c, b)| t[usize::from(*b)] == *c));
     }
 
     #[test]
