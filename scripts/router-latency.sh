@@ -644,27 +644,33 @@ if len(rounds) > 1:
     table(f"Ranges over {len(rounds)} rounds:", rounds)
 loads = [r["load"] for r in rows]
 print(f"\n1-minute load average during the cells: {min(loads):.2f}–{max(loads):.2f}")
+def samples(path, name, label):
+    """One metric's samples in a /metrics text, summed by the value of `label` over the other
+    labels; None when the file cannot be read."""
+    out = defaultdict(float)
+    try:
+        for line in open(path):
+            if line.startswith(name + "{") and f'{label}="' in line:
+                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
+                out[value] += float(line.rsplit(" ", 1)[1])
+    except OSError:
+        return None
+    return out
+
 decisions = defaultdict(float)
 for path in sorted(glob.glob(os.path.join(os.path.dirname(cells_path), "kinference.r*.metrics.txt"))):
-    for line in open(path):
-        if line.startswith("kinference_decisions_total{"):
-            reason = line.split('reason="', 1)[1].split('"', 1)[0]
-            decisions[reason] += float(line.rsplit(" ", 1)[1])
+    for reason, n in (samples(path, "kinference_decisions_total", "reason") or {}).items():
+        decisions[reason] += n
 if decisions:
     total = sum(decisions.values())
     parts = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(decisions.items(), key=lambda kv: -kv[1]))
     print(f"kinference routing decisions (all rounds, warm-up included): {total:,.0f}: {parts}")
 def histogram(path, name):
     """A histogram's cumulative counts by upper bound, summed over its label sets."""
-    out = defaultdict(float)
-    try:
-        for line in open(path):
-            if line.startswith(name + "_bucket{"):
-                le = line.split('le="', 1)[1].split('"', 1)[0]
-                out[float("inf") if le == "+Inf" else float(le)] += float(line.rsplit(" ", 1)[1])
-    except OSError:
+    buckets = samples(path, name + "_bucket", "le")
+    if buckets is None:
         return None
-    return out
+    return {float("inf") if le == "+Inf" else float(le): n for le, n in buckets.items()}
 
 def bound(hist, q):
     """The smallest bucket bound at or below which a share q of the observations lie."""
@@ -695,5 +701,27 @@ for r in rounds:
                    f"(wrk: p50 {c['wrk']['p50_us'] / 1000:.2f} ms, p99 {c['wrk']['p99_us'] / 1000:.2f} ms)")
 if own:
     print("kinference's own request duration at 1 connection (its histogram's bucket bounds): " + "; ".join(own))
+
+# How much prompt text the router tokenized per request in each round's 32-connection cell, and
+# how much its tokenizer's prefix cache spared it (kinference_tokenizer_cache_*): what the
+# workload asks of the exact routing, next to its CPU per request.
+tok = []
+for r in rounds:
+    base = os.path.join(os.path.dirname(cells_path), f"kinference.r{r}.c32.metrics")
+    c = by.get(("kinference", r, "kinference", "c32"))
+    read = lambda name, label: [samples(base + f"{i}.txt", name, label) for i in (0, 1)]
+    b0, b1 = read("kinference_tokenizer_cache_text_bytes_total", "kind")
+    l0, l1 = read("kinference_tokenizer_cache_lookups_total", "outcome")
+    if not (b0 is not None and b1 and l0 is not None and l1 and c and c["wrk"]["requests"]):
+        continue
+    n = c["wrk"]["requests"]
+    per = lambda a, b, k: (b.get(k, 0.0) - a.get(k, 0.0)) / n
+    hits, misses = per(l0, l1, "hit"), per(l0, l1, "miss")
+    reused = per(b0, b1, "reused")
+    encoded = per(b0, b1, "encoded_on_hit") + per(b0, b1, "encoded_on_miss")
+    tok.append(f"round {r}: {reused:,.0f} bytes reused, {encoded:,.0f} encoded "
+               f"({hits:.2f} hits, {misses:.2f} misses per request)")
+if tok:
+    print("kinference's prompt text per request at 32 connections (its tokenizer cache): " + "; ".join(tok))
 PYEOF
 log "raw outputs: $OUT"

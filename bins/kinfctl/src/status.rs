@@ -10,7 +10,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use kinference_proxy::api::{
     DiscoveryStatus, ErrorBody, EventStreamStatus, Health, PoolStatus, ReadyResponse,
-    ReplicaStatus, ReplicasResponse, WorkerStatus,
+    ReplicaStatus, ReplicasResponse, TokenizerCacheStatus, WorkerStatus,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -229,6 +229,7 @@ fn render_pool(out: &mut String, pool: &PoolStatus) {
         pool.index_blocks,
         pool.tracked_entries
     );
+    let _ = writeln!(out, "  {}", tokenizer_cache_line(&pool.tokenizer_cache));
     if let Some(d) = &pool.discovery {
         let _ = writeln!(out, "  {}", discovery_line(d));
         if let Some(e) = &d.settings_error {
@@ -411,6 +412,23 @@ pub fn table(rows: &[Vec<String>], indent: &str) -> String {
     out
 }
 
+/// How much prompt text the tokenizer's prefix cache spared the router from encoding.
+fn tokenizer_cache_line(c: &TokenizerCacheStatus) -> String {
+    let looked_up = c.bytes_reused + c.bytes_encoded_on_hits + c.bytes_encoded_on_misses;
+    if c.hits + c.misses == 0 || looked_up == 0 {
+        return "tokenizer cache: no prompt looked up yet".to_owned();
+    }
+    format!(
+        "tokenizer cache: {} hits, {} misses; {:.1} % of the looked-up prompt text reused; {} entries, {:.1} MiB, {} evicted",
+        c.hits,
+        c.misses,
+        100.0 * c.bytes_reused as f64 / looked_up as f64,
+        c.entries,
+        c.bytes as f64 / (1024.0 * 1024.0),
+        c.evictions
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -449,6 +467,26 @@ mod tests {
         );
         let never = DiscoveryStatus { synced: false, ..d };
         assert!(discovery_line(&never).ends_with("never read: no replicas"));
+    }
+
+    #[test]
+    fn the_tokenizer_caches_share_of_reused_text_is_shown() {
+        let mut c = TokenizerCacheStatus::default();
+        assert_eq!(
+            tokenizer_cache_line(&c),
+            "tokenizer cache: no prompt looked up yet"
+        );
+        c.hits = 3;
+        c.misses = 1;
+        c.bytes_reused = 9_000;
+        c.bytes_encoded_on_hits = 500;
+        c.bytes_encoded_on_misses = 500;
+        c.entries = 2;
+        c.bytes = 3 << 20;
+        assert_eq!(
+            tokenizer_cache_line(&c),
+            "tokenizer cache: 3 hits, 1 misses; 90.0 % of the looked-up prompt text reused; 2 entries, 3.0 MiB, 0 evicted"
+        );
     }
 
     #[test]

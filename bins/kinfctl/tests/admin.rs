@@ -155,6 +155,10 @@ async fn status_shows_every_replica_up_scorable_and_subscribed() {
         "{text}"
     );
     assert!(text.contains("pool tiny: models tiny; block size 32, sha256; policy precise"));
+    assert!(
+        text.contains("\n  tokenizer cache: no prompt looked up yet\n"),
+        "{text}"
+    );
     let header = row(text, 0, "REPLICA");
     for s in &sims {
         let cells = row(text, 1, &url(s.addr));

@@ -493,6 +493,7 @@ mod tests {
             predicted_cached_tokens: 0,
             discovery: None,
             event_endpoints: Vec::new(),
+            tokenizer_cache: Default::default(),
         }
     }
 

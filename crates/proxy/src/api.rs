@@ -130,6 +130,41 @@ pub struct PoolStatus {
     /// with their topics and what arrived under topics of no replica.
     #[serde(default)]
     pub event_endpoints: Vec<EventEndpointStatus>,
+    /// The pool tokenizer's prefix cache, since the tokenizer was loaded.
+    #[serde(default)]
+    pub tokenizer_cache: TokenizerCacheStatus,
+}
+
+/// What the prefix cache of a pool's tokenizer saved (`PoolStatus::tokenizer_cache`): prompt
+/// texts of 256 bytes or more are looked up (shorter ones are encoded without a lookup and
+/// not counted), and each of their bytes is counted once, as reused (its token ids came from
+/// an earlier prompt), encoded on a hit, or encoded on a miss.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenizerCacheStatus {
+    pub hits: u64,
+    pub misses: u64,
+    pub bytes_reused: u64,
+    pub bytes_encoded_on_hits: u64,
+    pub bytes_encoded_on_misses: u64,
+    /// Entries held now, and their bytes (texts, token ids, split points, block digests).
+    pub entries: u64,
+    pub bytes: u64,
+    pub evictions: u64,
+}
+
+impl From<kinference_tokenize::CacheStats> for TokenizerCacheStatus {
+    fn from(s: kinference_tokenize::CacheStats) -> Self {
+        TokenizerCacheStatus {
+            hits: s.hits,
+            misses: s.misses,
+            bytes_reused: s.bytes_reused,
+            bytes_encoded_on_hits: s.bytes_encoded_on_hits,
+            bytes_encoded_on_misses: s.bytes_encoded_on_misses,
+            entries: s.entries,
+            bytes: s.bytes,
+            evictions: s.evictions,
+        }
+    }
 }
 
 /// A discovered pool's source (`PoolStatus::discovery`).

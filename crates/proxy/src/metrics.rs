@@ -830,6 +830,11 @@ struct StateSeries {
     discovery_error: Series,
     settings_error: Series,
     ev_unknown: Series,
+    tok_lookups: Series,
+    tok_bytes: Series,
+    tok_entries: Series,
+    tok_size: Series,
+    tok_evictions: Series,
 }
 
 impl StateSeries {
@@ -940,6 +945,26 @@ impl StateSeries {
                 "kinference_event_endpoint_unknown_topic_messages",
                 "KV-event messages at a bound endpoint under a topic no replica is configured with (dropped)",
             ),
+            tok_lookups: Series::counter(
+                "kinference_tokenizer_cache_lookups",
+                "Prompt texts of 256 bytes or more looked up in the pool tokenizer's prefix cache, by outcome: hit (token ids of an earlier prompt reused) or miss",
+            ),
+            tok_bytes: Series::counter(
+                "kinference_tokenizer_cache_text_bytes",
+                "Bytes of the looked-up prompt texts, each counted once: reused (ids from the cache), encoded_on_hit or encoded_on_miss",
+            ),
+            tok_entries: Series::gauge(
+                "kinference_tokenizer_cache_entries",
+                "Prompt texts held in the pool tokenizer's prefix cache",
+            ),
+            tok_size: Series::gauge(
+                "kinference_tokenizer_cache_bytes",
+                "Bytes the pool tokenizer's prefix cache holds (texts, token ids, split points, block digests)",
+            ),
+            tok_evictions: Series::counter(
+                "kinference_tokenizer_cache_evictions",
+                "Entries the pool tokenizer's prefix cache evicted to stay under its capacity",
+            ),
         }
     }
 
@@ -951,6 +976,7 @@ impl StateSeries {
             self.tracked
                 .samples
                 .push((pl(), pool.tracked_entries as f64));
+            self.add_tokenizer_cache(pool);
             if let Some(d) = &pool.discovery {
                 let ok = d.synced && d.error.is_none();
                 self.discovery_ok
@@ -994,6 +1020,29 @@ impl StateSeries {
                     .push((el, ep.unknown_topic_messages as f64));
             }
         }
+    }
+
+    fn add_tokenizer_cache(&mut self, pool: &crate::api::PoolStatus) {
+        let tc = &pool.tokenizer_cache;
+        let with = |name: &'static str, value: &str| {
+            vec![("pool", pool.name.clone()), (name, value.to_owned())]
+        };
+        for (outcome, n) in [("hit", tc.hits), ("miss", tc.misses)] {
+            self.tok_lookups
+                .samples
+                .push((with("outcome", outcome), n as f64));
+        }
+        for (kind, n) in [
+            ("reused", tc.bytes_reused),
+            ("encoded_on_hit", tc.bytes_encoded_on_hits),
+            ("encoded_on_miss", tc.bytes_encoded_on_misses),
+        ] {
+            self.tok_bytes.samples.push((with("kind", kind), n as f64));
+        }
+        let pl = || vec![("pool", pool.name.clone())];
+        self.tok_entries.samples.push((pl(), tc.entries as f64));
+        self.tok_size.samples.push((pl(), tc.bytes as f64));
+        self.tok_evictions.samples.push((pl(), tc.evictions as f64));
     }
 
     fn add_worker(&mut self, wl: Labels, w: &crate::api::WorkerStatus) {
@@ -1066,6 +1115,11 @@ impl StateSeries {
             &self.discovery_ok,
             &self.discovery_error,
             &self.settings_error,
+            &self.tok_lookups,
+            &self.tok_bytes,
+            &self.tok_entries,
+            &self.tok_size,
+            &self.tok_evictions,
         ] {
             s.encode(encoder)?;
         }

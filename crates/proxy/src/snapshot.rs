@@ -1,8 +1,8 @@
 //! The one snapshot of the fleet's state: `/debug/replicas`, `/readyz`, the state series of
 //! `/metrics` and the operator CLI's `kinfctl status` all render from [`take`].
 //!
-//! Invariant: taking a snapshot reads atomics, takes the replica info and the index read locks
-//! briefly, one at a time, and never holds a lock across another or changes routing state.
+//! Invariant: taking a snapshot reads atomics, takes the replica info, the index read locks and
+//! the tokenizers' prefix-cache locks briefly, one at a time, and never holds a lock across another or changes routing state.
 
 use kinference_events::{EventPlane, SyncState, WorkerHealth};
 use std::time::Duration;
@@ -65,6 +65,7 @@ pub(crate) fn pool(pool: &Pool, now: Instant, since_start: Duration, costs: Cost
         predicted_cached_tokens,
         discovery: discovery(pool),
         event_endpoints: plane.as_deref().map(event_endpoints).unwrap_or_default(),
+        tokenizer_cache: rules.tokenizer.cache_stats().into(),
     }
 }
 

@@ -297,6 +297,29 @@ async fn same_prefix_lands_on_the_replica_that_caches_it() {
         ) > 0.0
     );
     assert!(metric(&text, "kinference_index_entries{pool=\"tiny\"}") > 0.0);
+    // The tokenizer's prefix cache: each document's first prompt missed; its explained and its
+    // sent second prompt reused the first's ids up to the question.
+    let tokenizer_cache =
+        |labels: &str| metric(&text, &format!("kinference_tokenizer_cache_{labels}"));
+    assert_eq!(
+        tokenizer_cache("lookups_total{pool=\"tiny\",outcome=\"miss\"}"),
+        3.0
+    );
+    assert_eq!(
+        tokenizer_cache("lookups_total{pool=\"tiny\",outcome=\"hit\"}"),
+        6.0
+    );
+    let doc_bytes = prompt(0, "").len() as f64;
+    assert!(
+        tokenizer_cache("text_bytes_total{pool=\"tiny\",kind=\"reused\"}")
+            > 6.0 * (doc_bytes - 32.0)
+    );
+    assert!(
+        tokenizer_cache("text_bytes_total{pool=\"tiny\",kind=\"encoded_on_miss\"}")
+            > 3.0 * doc_bytes
+    );
+    assert!(tokenizer_cache("entries{pool=\"tiny\"}") >= 3.0);
+    assert_eq!(proxy.status().pools[0].tokenizer_cache.hits, 6);
     let discovered_url = url(sims[2].addr);
     assert_eq!(
         metric(&text, &format!("kinference_event_stream_connected{{pool=\"tiny\",replica=\"{discovered_url}\",rank=\"0\"}}")),

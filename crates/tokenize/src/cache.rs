@@ -62,6 +62,9 @@ pub struct CacheStats {
     pub misses: u64,
     /// Bytes of text encoded on hits (the new part).
     pub bytes_encoded_on_hits: u64,
+    /// Bytes of text encoded on misses (all of each text). Of the texts looked up, every byte
+    /// is counted once: reused, encoded on a hit, or encoded on a miss.
+    pub bytes_encoded_on_misses: u64,
     /// Bytes of text whose ids were reused on hits.
     pub bytes_reused: u64,
     /// Hits that restarted at a word split point (the rest restarted after an added token or
@@ -278,7 +281,11 @@ impl PrefixCache {
     }
 
     fn miss(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>)> {
-        self.lock().stats.misses += 1;
+        {
+            let mut g = self.lock();
+            g.stats.misses += 1;
+            g.stats.bytes_encoded_on_misses += text.len() as u64;
+        }
         enc.encode_with_splits(text)
     }
 

@@ -360,3 +360,45 @@ fn short_tails_reuse_without_being_stored() {
         assert!(n < 8, "a tail of {n} turns is still not stored");
     }
 }
+
+/// The counters a router exports: every byte of a looked-up text is counted once, as reused,
+/// encoded on a hit or encoded on a miss; texts too short for a lookup are not counted.
+#[test]
+fn every_looked_up_byte_is_counted_once() {
+    let t = load("qwen3", 1 << 20);
+    let doc = "The tea plant grows best on high, wet slopes in warm weather. ".repeat(20);
+    let other = "Coffee beans are the seeds of a cherry that ripens in the tropics. ".repeat(20);
+    let texts = [
+        doc.clone(),                                              // miss, stored
+        format!("{doc}Why?"),                                     // hit, short tail: not stored
+        doc.clone(), // exact repeat: hit, nothing encoded
+        format!("{doc}{}", "And where is it grown? ".repeat(20)), // hit, stored
+        other.clone(), // miss
+        "Too short for a lookup.".to_owned(), // not looked up
+    ];
+    let mut looked_up = 0u64;
+    for text in &texts {
+        assert_eq!(
+            t.encode_text(text, false).unwrap(),
+            t.encode_uncached(text, false).unwrap()
+        );
+        if text.len() >= 256 {
+            looked_up += text.len() as u64;
+        }
+    }
+    let s = t.cache_stats();
+    assert_eq!((s.hits, s.misses), (3, 2), "{s:?}");
+    assert_eq!(
+        s.bytes_encoded_on_misses,
+        (doc.len() + other.len()) as u64,
+        "{s:?}"
+    );
+    assert_eq!(
+        s.bytes_reused + s.bytes_encoded_on_hits + s.bytes_encoded_on_misses,
+        looked_up,
+        "{s:?}"
+    );
+    // The repeat reused all of `doc`; the two extensions reused most of it.
+    assert!(s.bytes_reused > 2 * doc.len() as u64, "{s:?}");
+    assert!(s.bytes_encoded_on_hits < 600, "{s:?}");
+}
