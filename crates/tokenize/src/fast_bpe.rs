@@ -10,7 +10,8 @@
 //!   and the same split as `AddedVocabulary::extract_and_normalize`: tokens with
 //!   `normalized: false` on the raw text, then, on each remaining piece after the normalizer,
 //!   tokens with `normalized: true`. No `lstrip`/`rstrip`/`single_word` token, and
-//!   `encode_special_tokens` off.
+//!   `encode_special_tokens` off. The automaton runs only where a token can start
+//!   ([`AddedTokens`]): the same matches, without running it over every byte of a prompt.
 //! - Normalizer: none, an empty sequence, or NFC through the crate `tokenizers` uses for it
 //!   (`unicode-normalization-alignments`), so the Unicode tables are the same.
 //! - Pre-tokenizer: `ByteLevel` with its GPT-2 regex, or the llama3 / qwen2 / deepseek-v3
@@ -202,6 +203,12 @@ impl Classes {
         } else {
             self.slow(c)
         }
+    }
+
+    /// [`Classes::flags`] of an ASCII byte (the mask only proves the index in range).
+    #[inline]
+    fn ascii_flags(&self, b: u8) -> u32 {
+        self.ascii[usize::from(b & 0x7f)]
     }
 }
 
@@ -707,14 +714,13 @@ fn match_ds_word(f: &[u32], i: usize, hi: usize) -> Option<usize> {
     (c & WS != 0).then(|| whitespace_tail(f, i, hi))
 }
 
-/// A regex at char `i` of a piece ending at `hi`: where its match ends, if one starts there.
-type Matcher = dyn Fn(&[u32], usize, usize) -> Option<usize>;
-
 /// `Split` with behavior `Isolated` over chars `lo..hi`: matches and the gaps between them.
+/// `matcher` is a regex at char `i` of a piece ending at `hi`: where its match ends, if one
+/// starts there (generic, so that each regex is inlined into its own loop).
 fn split_isolated(
     f: &[u32],
     (lo, hi): (usize, usize),
-    matcher: &Matcher,
+    matcher: impl Fn(&[u32], usize, usize) -> Option<usize>,
     out: &mut Vec<(usize, usize)>,
 ) {
     let (mut prev, mut i) = (lo, lo);
@@ -736,6 +742,95 @@ fn split_isolated(
     }
 }
 
+/// Added tokens matched leftmost-longest by the automaton `tokenizers` uses, run only from the
+/// bytes a token can start with when there are at most three of them (every shared tokenizer's
+/// added tokens start with `<`): a prompt is scanned for those bytes with `memchr` instead of
+/// stepping the automaton through every byte. The matches are the same: a match can start only
+/// at such a byte, the leftmost of them that starts one is where the automaton's next match
+/// starts, and every token starting there fits in the `max_len` bytes searched from it, so the
+/// longest one is found.
+struct AddedTokens {
+    ac: DoubleArrayAhoCorasick<u32>,
+    /// The tokens' distinct first bytes, if at most three.
+    starts: Option<Vec<u8>>,
+    max_len: usize,
+}
+
+impl AddedTokens {
+    fn new(pairs: Vec<(String, u32)>) -> Result<Self, String> {
+        let max_len = pairs.iter().map(|(t, _)| t.len()).max().unwrap_or(0);
+        let mut starts: Vec<u8> = pairs.iter().filter_map(|(t, _)| t.bytes().next()).collect();
+        starts.sort_unstable();
+        starts.dedup();
+        let ac = DoubleArrayAhoCorasickBuilder::new()
+            .match_kind(MatchKind::LeftmostLongest)
+            .build_with_values(pairs)
+            .map_err(|e| e.to_string())?;
+        Ok(AddedTokens {
+            ac,
+            starts: (starts.len() <= 3).then_some(starts),
+            max_len,
+        })
+    }
+
+    /// `(start, end, id)` of each match in `text`, leftmost first, not overlapping.
+    fn find_iter<'a>(&'a self, text: &'a str) -> AddedMatches<'a> {
+        match &self.starts {
+            Some(starts) => AddedMatches::From {
+                tokens: self,
+                starts,
+                text: text.as_bytes(),
+                at: 0,
+            },
+            None => AddedMatches::Everywhere(self.ac.leftmost_find_iter(text.as_bytes())),
+        }
+    }
+}
+
+enum AddedMatches<'a> {
+    /// The automaton from each byte in `starts`, over the next `max_len` bytes.
+    From {
+        tokens: &'a AddedTokens,
+        starts: &'a [u8],
+        text: &'a [u8],
+        at: usize,
+    },
+    Everywhere(daachorse::bytewise::iter::LeftmostFindIterator<'a, &'a [u8], u32>),
+}
+
+impl Iterator for AddedMatches<'_> {
+    type Item = (usize, usize, u32);
+
+    fn next(&mut self) -> Option<(usize, usize, u32)> {
+        match self {
+            AddedMatches::Everywhere(it) => it.next().map(|m| (m.start(), m.end(), m.value())),
+            AddedMatches::From {
+                tokens,
+                starts,
+                text,
+                at,
+            } => loop {
+                let rest = text.get(*at..)?;
+                let off = match **starts {
+                    [a] => memchr::memchr(a, rest),
+                    [a, b] => memchr::memchr2(a, b, rest),
+                    [a, b, c] => memchr::memchr3(a, b, c, rest),
+                    _ => None,
+                }?;
+                let p = *at + off;
+                let window = text.get(p..(p + tokens.max_len).min(text.len()))?;
+                match tokens.ac.leftmost_find_iter(window).next() {
+                    Some(m) if m.start() == 0 => {
+                        *at = p + m.end();
+                        return Some((p, p + m.end(), m.value()));
+                    }
+                    _ => *at = p + 1,
+                }
+            },
+        }
+    }
+}
+
 /// Where the split points of a text go while it is encoded.
 struct SplitSink<'a> {
     split_after: &'a [bool],
@@ -753,8 +848,8 @@ enum Normalizer {
 
 /// The fast path for one tokenizer.
 pub(crate) struct FastBpe {
-    raw_added: Option<DoubleArrayAhoCorasick<u32>>,
-    normalized_added: Option<DoubleArrayAhoCorasick<u32>>,
+    raw_added: Option<AddedTokens>,
+    normalized_added: Option<AddedTokens>,
     normalizer: Normalizer,
     pre: PreTokenizer,
     bpe: Bpe,
@@ -881,11 +976,7 @@ impl FastBpe {
             if pairs.is_empty() {
                 return Ok(None);
             }
-            DoubleArrayAhoCorasickBuilder::new()
-                .match_kind(MatchKind::LeftmostLongest)
-                .build_with_values(pairs)
-                .map(Some)
-                .map_err(|e| e.to_string())
+            AddedTokens::new(pairs).map(Some)
         };
         let bpe = Bpe::from_model(tk)?;
         Ok(FastBpe {
@@ -940,10 +1031,7 @@ impl FastBpe {
     ) -> Option<Vec<u32>> {
         let mut ids = Vec::with_capacity(text.len() / 3 + 1);
         let mut start = 0;
-        let raw_matches = self.raw_added.as_ref().map(|t| {
-            t.leftmost_find_iter(text)
-                .map(|m| (m.start(), m.end(), m.value()))
-        });
+        let raw_matches = self.raw_added.as_ref().map(|t| t.find_iter(text));
         for (s, e, id) in raw_matches.into_iter().flatten() {
             self.normalized_piece(text, start, s, &mut ids, sc, sink.as_deref_mut())?;
             self.push_added(id, e, &mut ids, sink.as_deref_mut());
@@ -997,10 +1085,10 @@ impl FastBpe {
             return None;
         }
         let mut start = 0;
-        let matches = self.normalized_added.as_ref().map(|t| {
-            t.leftmost_find_iter(piece.as_ref())
-                .map(|m| (m.start(), m.end(), m.value()))
-        });
+        let matches = self
+            .normalized_added
+            .as_ref()
+            .map(|t| t.find_iter(piece.as_ref()));
         for (s, e, id) in matches.into_iter().flatten() {
             self.pre_tokenized(text, &piece, lo, (start, s), ids, sc, sink.as_deref_mut())?;
             self.push_added(id, lo + e, ids, sink.as_deref_mut());
@@ -1026,34 +1114,42 @@ impl FastBpe {
             return Some(());
         }
         let s = piece.get(a..b)?;
-        sc.offs.clear();
-        sc.flags.clear();
-        for (i, c) in s.char_indices() {
-            sc.offs.push(i);
-            sc.flags.push(self.classes.flags(c));
+        let (offs, flags) = (&mut sc.offs, &mut sc.flags);
+        offs.clear();
+        flags.clear();
+        if s.is_ascii() {
+            // Most text: a char per byte, so both tables fill without decoding or a capacity
+            // check per char (this loop was most of the pre-tokenizer's time).
+            offs.extend(0..=s.len());
+            flags.extend(s.bytes().map(|b| self.classes.ascii_flags(b)));
+        } else {
+            for (i, c) in s.char_indices() {
+                offs.push(i);
+                flags.push(self.classes.flags(c));
+            }
+            offs.push(s.len());
         }
-        sc.offs.push(s.len());
         let whole = (0, sc.flags.len());
         let mut spans = std::mem::take(&mut sc.spans);
         spans.clear();
         match self.pre {
-            PreTokenizer::Gpt2 => split_isolated(&sc.flags, whole, &match_gpt2, &mut spans),
+            PreTokenizer::Gpt2 => split_isolated(&sc.flags, whole, match_gpt2, &mut spans),
             PreTokenizer::Cl100k { digits } => split_isolated(
                 &sc.flags,
                 whole,
-                &move |f, i, hi| match_cl100k(f, i, hi, digits),
+                move |f, i, hi| match_cl100k(f, i, hi, digits),
                 &mut spans,
             ),
             PreTokenizer::DeepSeek => {
                 let mut tmp = std::mem::take(&mut sc.spans2);
                 tmp.clear();
-                split_isolated(&sc.flags, whole, &match_ds_digits, &mut tmp);
+                split_isolated(&sc.flags, whole, match_ds_digits, &mut tmp);
                 for &span in &tmp {
-                    split_isolated(&sc.flags, span, &match_ds_cjk, &mut spans);
+                    split_isolated(&sc.flags, span, match_ds_cjk, &mut spans);
                 }
                 tmp.clear();
                 for &span in &spans {
-                    split_isolated(&sc.flags, span, &match_ds_word, &mut tmp);
+                    split_isolated(&sc.flags, span, match_ds_word, &mut tmp);
                 }
                 std::mem::swap(&mut spans, &mut tmp);
                 sc.spans2 = tmp;
@@ -1664,6 +1760,55 @@ pub(crate) mod tests {
             .to_string();
         assert!(reason.contains("dropout"), "{reason}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The matches from the tokens' first bytes are the automaton's over the whole text, on
+    /// seeded random token sets (sharing prefixes, one token inside another, up to five first
+    /// bytes so that both ways run) and texts dense with their fragments.
+    #[test]
+    fn added_tokens_from_their_first_bytes_match_the_whole_scan() {
+        let alphabet = ["<", "|", "a", "b", ">", " ", "é", "<|", "|>", "\n"];
+        let mut rng = ChaCha8Rng::seed_from_u64(17);
+        let mut prefiltered = 0;
+        for round in 0..300 {
+            let starts = ["<", "[", "a", "é", "|"];
+            let n_starts = rng.gen_range(1..=5);
+            let mut tokens: Vec<String> = (0..rng.gen_range(1..8))
+                .map(|_| {
+                    let mut t = starts[rng.gen_range(0..n_starts)].to_owned();
+                    for _ in 0..rng.gen_range(0..6) {
+                        t.push_str(alphabet[rng.gen_range(0..alphabet.len())]);
+                    }
+                    t
+                })
+                .collect();
+            tokens.sort();
+            tokens.dedup();
+            let pairs: Vec<(String, u32)> = tokens.iter().cloned().zip(0u32..).collect();
+            let added = AddedTokens::new(pairs.clone()).unwrap();
+            prefiltered += usize::from(added.starts.is_some());
+            let whole = DoubleArrayAhoCorasickBuilder::new()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build_with_values(pairs)
+                .unwrap();
+            for _ in 0..20 {
+                let mut text = String::new();
+                for _ in 0..rng.gen_range(0..60) {
+                    if rng.gen_bool(0.2) {
+                        text.push_str(&tokens[rng.gen_range(0..tokens.len())]);
+                    } else {
+                        text.push_str(alphabet[rng.gen_range(0..alphabet.len())]);
+                    }
+                }
+                let want: Vec<_> = whole
+                    .leftmost_find_iter(&text)
+                    .map(|m| (m.start(), m.end(), m.value()))
+                    .collect();
+                let got: Vec<_> = added.find_iter(&text).collect();
+                assert_eq!(got, want, "round {round}: tokens {tokens:?}, text {text:?}");
+            }
+        }
+        assert!((100..300).contains(&prefiltered), "{prefiltered}");
     }
 
     #[test]
