@@ -928,7 +928,9 @@ fn recognize_normalizer(v: Option<&Json>) -> Option<Normalizer> {
 }
 
 fn nfc(s: &str) -> Cow<'_, str> {
-    if is_nfc_quick(s.chars()) == IsNormalized::Yes {
+    // ASCII text is in NFC (no ASCII char decomposes or composes): one SIMD scan instead of a
+    // quick check char by char.
+    if s.is_ascii() || is_nfc_quick(s.chars()) == IsNormalized::Yes {
         return Cow::Borrowed(s);
     }
     let n: String = s.nfc().map(|(c, _)| c).collect();
@@ -1809,6 +1811,21 @@ pub(crate) mod tests {
             }
         }
         assert!((100..300).contains(&prefiltered), "{prefiltered}");
+    }
+
+    /// `nfc` passes ASCII through unchecked: the normalizer's crate leaves every ASCII char,
+    /// and every pair of them (composition joins a char with the one after it), unchanged.
+    #[test]
+    fn ascii_is_its_own_nfc() {
+        for a in 0u8..128 {
+            for b in 0u8..128 {
+                let s: String = [char::from(a), char::from(b)].into_iter().collect();
+                let n: String = s.nfc().map(|(c, _)| c).collect();
+                assert_eq!(n, s);
+            }
+        }
+        assert!(matches!(nfc("plain ASCII text"), Cow::Borrowed(_)));
+        assert_eq!(nfc("e\u{301}"), "\u{e9}");
     }
 
     #[test]
