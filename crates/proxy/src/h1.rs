@@ -129,16 +129,16 @@ impl Body for LeanBody {
             return Poll::Ready(None);
         }
         // Never past this body: the next request's bytes are the connection's to read.
-        let mut buf = vec![0u8; left.min(READ_CHUNK as u64) as usize];
-        match ready!(sock::poll_read(&socket.tcp, &mut buf, cx)) {
+        let want = left.min(READ_CHUNK as u64) as usize;
+        let mut buf = BytesMut::new();
+        match ready!(sock::poll_read_at_most(&socket.tcp, &mut buf, want, cx)) {
             Ok(0) => Poll::Ready(Some(Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 "the client closed the connection before the end of the body",
             )))),
             Ok(n) => {
                 socket.left.store(left - n as u64, Ordering::Relaxed);
-                buf.truncate(n);
-                Poll::Ready(Some(Ok(Frame::data(Bytes::from(buf)))))
+                Poll::Ready(Some(Ok(Frame::data(buf.freeze()))))
             }
             Err(e) => Poll::Ready(Some(Err(e))),
         }

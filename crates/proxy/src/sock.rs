@@ -3,14 +3,15 @@
 //! HTTP/1.1 paths towards clients (`h1`) and replicas (`link`), and the one header value both
 //! parse the same way (`Content-Length`).
 //!
-//! Invariant: a read never blocks and never reads past the buffer's spare capacity; `Pending`
+//! Invariant: a read never blocks and never reads past the buffer's spare capacity or the
+//! bytes asked for; `Pending`
 //! is returned only with the caller's waker registered for the socket's next readiness; a
 //! read that drained the socket leaves its readiness cleared (see `read_draining`).
 
 use std::io;
 use std::task::{ready, Context, Poll};
 
-use bytes::BytesMut;
+use bytes::{BufMut, BytesMut};
 use tokio::io::Interest;
 use tokio::net::TcpStream;
 
@@ -36,17 +37,21 @@ pub(crate) fn poll_read_buf(
     }
 }
 
-/// Reads into `dst` what the socket has, up to its length: the bytes read, 0 at the end of
-/// the stream.
-pub(crate) fn poll_read(
+/// Reads into `buf` what the socket has, at most `max` bytes (never past them: what follows
+/// may be the next request's, which the connection reads): the bytes read, 0 at the end of the
+/// stream. Room is made only once the socket is ready, so a wait allocates nothing, and the
+/// bytes land in uninitialized capacity instead of a zeroed buffer.
+pub(crate) fn poll_read_at_most(
     tcp: &TcpStream,
-    dst: &mut [u8],
+    buf: &mut BytesMut,
+    max: usize,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<usize>> {
     loop {
         ready!(tcp.poll_read_ready(cx))?;
-        let asked = dst.len();
-        match read_draining(tcp, asked, || tcp.try_read(dst)) {
+        buf.reserve(max);
+        let mut room = (&mut *buf).limit(max);
+        match read_draining(tcp, max, || tcp.try_read_buf(&mut room)) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             r => return Poll::Ready(r),
         }
@@ -161,17 +166,24 @@ mod tests {
             // Drained: waiting for the next bytes costs no read that finds none.
             assert!(!ready_now(&near), "round {round}");
         }
-        let mut dst = [0u8; 8];
+        let mut dst = BytesMut::with_capacity(64);
         far.write_all(b"0123456789").await.unwrap();
-        // A full read leaves readiness set: more may be queued, as here.
-        let n = poll_fn(|cx| poll_read(&near, &mut dst, cx)).await.unwrap();
+        // A full read leaves readiness set: more may be queued, as here. The buffer has room
+        // for all ten bytes; only eight are asked for, and only eight are taken.
+        let n = poll_fn(|cx| poll_read_at_most(&near, &mut dst, 8, cx))
+            .await
+            .unwrap();
         assert_eq!((n, &dst[..]), (8, &b"01234567"[..]));
         assert!(ready_now(&near));
-        let n = poll_fn(|cx| poll_read(&near, &mut dst, cx)).await.unwrap();
-        assert_eq!((n, &dst[..n]), (2, &b"89"[..]));
+        let n = poll_fn(|cx| poll_read_at_most(&near, &mut dst, 8, cx))
+            .await
+            .unwrap();
+        assert_eq!((n, &dst[..]), (2, &b"0123456789"[..]));
         assert!(!ready_now(&near));
         drop(far);
-        let n = poll_fn(|cx| poll_read(&near, &mut dst, cx)).await.unwrap();
+        let n = poll_fn(|cx| poll_read_at_most(&near, &mut dst, 8, cx))
+            .await
+            .unwrap();
         assert_eq!(n, 0, "the end of the stream");
     }
 
