@@ -133,15 +133,7 @@ chrome() {
 
 # metric NAME: the sum of NAME's samples on the router's /metrics.
 metric() {
-  python3 - "$ADMIN/metrics" "$1" <<'PYEOF'
-import sys, urllib.request
-page = urllib.request.urlopen(sys.argv[1], timeout=5).read().decode()
-total = 0.0
-for line in page.splitlines():
-    if line.startswith(sys.argv[2] + "{") or line.startswith(sys.argv[2] + " "):
-        total += float(line.rsplit(" ", 1)[1])
-print(repr(total))
-PYEOF
+  python3 "$HERE/lib/prom.py" "$ADMIN/metrics" "$1"
 }
 
 # read_page FILE: the numbers the page shows, as JSON (the values of its data-value attributes).

@@ -226,26 +226,18 @@ echo
 for wa in "${KIN_ADMINS[@]}"; do
   name=${wa%%=*}
   curl -fsS "http://${wa#*=}/metrics" >"$OUT/$name.metrics" || die "$name: /metrics did not answer"
-  python3 - "$name" "$OUT/$name.metrics" <<'PY'
-import re, sys
-name, path = sys.argv[1], sys.argv[2]
+  PYTHONPATH="$HERE/lib" python3 - "$name" "$OUT/$name.metrics" <<'PY'
+import sys, prom
+name, page = sys.argv[1], prom.page(sys.argv[2])
 def total(metric):
-    v = 0.0
-    for line in open(path):
-        if re.match(metric + r'_total\{', line):
-            v += float(line.rsplit(' ', 1)[1])
-    return v
-skipped = {}
-for line in open(path):
-    m = re.match(r'kinference_warms_skipped_total\{.*reason="([a-z_]+)".*\} (\S+)', line)
-    if m:
-        skipped[m.group(1)] = float(m.group(2))
+    return prom.total(page, metric + "_total")
+skipped = prom.by_label(page, "kinference_warms_skipped_total", "reason")
+decisions = prom.by_label(page, "kinference_decisions_total", "reason")
 print(f"{name}: warms sent {total('kinference_warms_sent'):.0f}, failed "
       f"{total('kinference_warms_failed'):.0f}, skipped {skipped or 0}; warm prompt tokens "
       f"{total('kinference_warm_prompt_tokens'):.0f} (cached {total('kinference_warm_cached_tokens'):.0f}), "
       f"warm prefill GPU-s {total('kinference_warm_prefill_gpu_seconds'):.2f}; decisions: "
-      + ", ".join(f"{r} {v:.0f}" for r, v in sorted(
-          (m.group(1), float(m.group(2))) for m in (re.match(r'kinference_decisions_total\{.*reason="([a-z_]+)"\} (\S+)', l) for l in open(path)) if m)))
+      + ", ".join(f"{r} {v:.0f}" for r, v in sorted(decisions.items())))
 PY
 done
 [ "${#SKIPPED[@]}" -eq 0 ] || log "skipped: ${SKIPPED[*]}"

@@ -200,15 +200,12 @@ print(f"shared prefixes: {checked} follow-ups all cached; documents on "
 PYEOF
 
 # --- the router's own view agrees: decisions by cached prefix, predictions met
-"$PY" - "$ADMIN" <<'PYEOF' || { die "the router's metrics disagree"; }
-import sys, urllib.request
-text = urllib.request.urlopen(f"{sys.argv[1]}/metrics", timeout=5).read().decode()
-lines = [l for l in text.splitlines() if not l.startswith("#")]
-def total(prefix, needle=""):
-    return sum(float(l.rsplit(" ", 1)[1]) for l in lines if l.startswith(prefix) and needle in l)
-cached = total("kinference_decisions_total", 'reason="cached_prefix"')
-assert cached >= 12, f"only {cached} decisions by cached prefix:\n" + "\n".join(
-    l for l in lines if l.startswith("kinference_decisions"))
+PYTHONPATH="$HERE/lib" "$PY" - "$ADMIN" <<'PYEOF' || { die "the router's metrics disagree"; }
+import sys, prom
+text = prom.page(f"{sys.argv[1]}/metrics")
+cached = prom.total(text, "kinference_decisions_total", reason="cached_prefix")
+assert cached >= 12, f"only {cached} decisions by cached prefix: " + repr(
+    prom.by_label(text, "kinference_decisions_total", "reason"))
 print(f"router metrics: {cached:.0f} decisions by cached prefix")
 PYEOF
 log "all router clients passed"

@@ -33,7 +33,8 @@
 #
 # Prints a markdown table (per round, then ranges over rounds when ROUNDS > 1) and writes every
 # raw output under the results directory, kinference's /metrics before and after each of its
-# cells among them; from those, a last line gives the router's own request duration at one
+# cells among them (the page after a round's last cell, `kinference.rN.chat1.metrics1.txt`, holds
+# all the round counted); from those, a last line gives the router's own request duration at one
 # connection (its histogram) beside wrk's. Every process it starts is stopped on exit.
 #
 # usage: scripts/router-latency.sh [BINARY]
@@ -481,7 +482,6 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
   if [ "$t" = direct ] && [ "$(awk '$1 == "50%" {print ($2 ~ /ms$/ && $2 + 0 > 20) ? 1 : 0; exit}' "$prefix.chat1.txt")" = 1 ]; then
     log "warning: streamed chat straight to a replica takes over 20 ms at p50: the backend stalls (no TCP_NODELAY?), so the streaming column measures the backend, not the routers"
   fi
-  [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.metrics.txt" 2>/dev/null || true; }
   if [ -n "$sink_pid" ]; then
     log "$t round $round: the events sink used $(( $(proc_ticks "$sink_pid") - sink0 )) ticks over the target's cells"
     stop_tree "$sink_pid" 5
@@ -514,9 +514,10 @@ echo "loadavg at end: $(cat /proc/loadavg)" >>"$OUT/machine.txt"
 for u in "${URLS[@]}"; do curl -sf "$u/metrics" >>"$OUT/sim.metrics.txt" 2>/dev/null || true; done
 
 # --- the table
-python3 - "$CELLS" "$CONNS" <<'PYEOF' | tee "$OUT/table.md"
+PYTHONPATH="$HERE/lib${PYTHONPATH:+:$PYTHONPATH}" python3 - "$CELLS" "$CONNS" <<'PYEOF' | tee "$OUT/table.md"
 import glob, json, os, sys
 from collections import defaultdict
+import prom
 
 cells_path, conns = sys.argv[1], sys.argv[2]
 rows = [json.loads(l) for l in open(cells_path) if l.strip()]
@@ -645,20 +646,16 @@ if len(rounds) > 1:
 loads = [r["load"] for r in rows]
 print(f"\n1-minute load average during the cells: {min(loads):.2f}–{max(loads):.2f}")
 def samples(path, name, label):
-    """One metric's samples in a /metrics text, summed by the value of `label` over the other
+    """One metric's samples in a /metrics file, summed by the value of `label` over the other
     labels; None when the file cannot be read."""
-    out = defaultdict(float)
     try:
-        for line in open(path):
-            if line.startswith(name + "{") and f'{label}="' in line:
-                value = line.split(f'{label}="', 1)[1].split('"', 1)[0]
-                out[value] += float(line.rsplit(" ", 1)[1])
+        return prom.by_label(prom.page(path), name, label)
     except OSError:
         return None
-    return out
 
 decisions = defaultdict(float)
-for path in sorted(glob.glob(os.path.join(os.path.dirname(cells_path), "kinference.r*.metrics.txt"))):
+# The page after a round's last cell: everything the router counted in that round.
+for path in sorted(glob.glob(os.path.join(os.path.dirname(cells_path), "kinference.r*.chat1.metrics1.txt"))):
     for reason, n in (samples(path, "kinference_decisions_total", "reason") or {}).items():
         decisions[reason] += n
 if decisions:

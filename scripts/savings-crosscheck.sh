@@ -86,15 +86,14 @@ wait_router_ready "http://$ADMIN" "${PIDS[-1]}" 2 30 || die "the router never be
 
 HIT=$(bench precise "http://$DATA")
 log "bench through the router: $HIT"
-METRICS=$(curl -sf "http://$ADMIN/metrics")
-read -r TOKENS GPU_S RR_EST < <(python3 -c 'import sys
-page = sys.stdin.read()
-def total(name, match=""):
-    return sum(float(l.rsplit(" ", 1)[1]) for l in page.splitlines()
-               if l.startswith(name + "{") and match in l)
-rr = total("kinference_baseline_cached_tokens_total", "policy=\"round-robin\"")
-print(int(total("kinference_saved_prefill_tokens_total")), repr(total("kinference_saved_prefill_gpu_seconds_total")),
-      repr(rr / total("kinference_usage_prompt_tokens_total")))' <<<"$METRICS")
+# In a variable first: a page that cannot be read stops the script here (set -e).
+COUNTS=$(PYTHONPATH="$HERE/lib" python3 -c 'import sys, prom
+page = prom.page(sys.argv[1])
+rr = prom.total(page, "kinference_baseline_cached_tokens_total", policy="round-robin")
+print(int(prom.total(page, "kinference_saved_prefill_tokens_total")),
+      repr(prom.total(page, "kinference_saved_prefill_gpu_seconds_total")),
+      repr(rr / prom.total(page, "kinference_usage_prompt_tokens_total")))' "http://$ADMIN/metrics")
+read -r TOKENS GPU_S RR_EST <<<"$COUNTS"
 log "router /metrics: kinference_saved_prefill_tokens_total $TOKENS, kinference_saved_prefill_gpu_seconds_total $GPU_S, round-robin hit rate estimated $RR_EST"
 
 # 3. Real round-robin on two fresh replicas.

@@ -129,8 +129,9 @@ EOF
 log "inference-perf $("$PY" -c 'import importlib.metadata as m; print(m.version("inference-perf"))')"
 (cd "$WORK" && HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 "$VENV/bin/inference-perf" -c perf.yaml \
   >"$WORK/perf.log" 2>&1) || { tail -40 "$WORK/perf.log" >&2; die "inference-perf failed"; }
-"$PY" - "$WORK/reports" "$URL" <<'PYEOF'
-import glob, json, os, sys, urllib.request
+PYTHONPATH="$HERE/lib" "$PY" - "$WORK/reports" "$URL" <<'PYEOF'
+import glob, json, os, sys
+import prom
 reports, url = sys.argv[1], sys.argv[2]
 files = sorted(glob.glob(os.path.join(reports, "**", "summary_lifecycle_metrics.json"), recursive=True))
 assert files, f"no summary_lifecycle_metrics.json under {reports}: {os.listdir(reports)}"
@@ -138,9 +139,7 @@ s = json.load(open(files[-1]))
 ok, failed = s["successes"]["count"], s["failures"]["count"]
 assert failed == 0, f"{failed} requests failed: {s['failures']}"
 assert ok >= 32, f"only {ok} requests succeeded"
-metrics = urllib.request.urlopen(f"{url}/metrics").read().decode()
-hits = sum(float(l.rsplit(" ", 1)[1]) for l in metrics.splitlines()
-           if l.startswith("vllm:prefix_cache_hits_total{"))
+hits = prom.total(prom.page(f"{url}/metrics"), "vllm:prefix_cache_hits_total")
 assert hits > 0, "shared prefixes never hit the prefix cache"
 ttft = s["successes"]["latency"]["time_to_first_token"]
 print(f"inference-perf: {ok} passed, {failed} failed; ttft mean {ttft['mean']:.4f}s; "

@@ -107,8 +107,7 @@ run() { # name streams [load flags...]
   done
   rss1=$(rss_kib "$ROUTER_PID") fds1=$(fds "$ROUTER_PID")
   local in_flight
-  in_flight=$(curl -s "http://$ADMIN_ADDR/metrics" |
-    awk '/^kinference_worker_in_flight\{/ {s += $2} END {print s + 0}')
+  in_flight=$(python3 "$HERE/lib/prom.py" "http://$ADMIN_ADDR/metrics" kinference_worker_in_flight)
   wait "$load_pid" || true
   cpu1=$(cpu_ticks "$ROUTER_PID")
   line=$(grep '^{' "$out" || echo '{}')
