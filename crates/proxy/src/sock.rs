@@ -4,9 +4,9 @@
 //! parse the same way (`Content-Length`).
 //!
 //! Invariant: a read never blocks and never reads past the buffer's spare capacity or the
-//! bytes asked for; `Pending`
-//! is returned only with the caller's waker registered for the socket's next readiness; a
-//! read that drained the socket leaves its readiness cleared (see `read_draining`).
+//! bytes asked for; `Pending` is returned only with the caller's waker registered for the
+//! socket's next readiness; a read that drained the socket leaves its readiness cleared (see
+//! `read_draining`).
 
 use std::io;
 use std::task::{ready, Context, Poll};
