@@ -17,7 +17,9 @@
 # and for its data-plane threads only (callgrind counts each thread on its own). Compare the
 # second: under valgrind the router reads KV events too slowly, replays what it missed, and the
 # replays add tens of thousands of instructions per request to other threads, differently each
-# run.
+# run. valgrind offers no SHA extensions, so the block hashes' SHA-256 runs its portable code
+# here (several times the instructions it takes on a CPU that has them, as this machine's do):
+# read `sha2::sha256::compress256` apart when new text brings many new blocks.
 #
 # usage: scripts/router-instructions.sh ROUTER_BINARY [SIM_BINARY]
 #   SIM_BINARY (default ROUTER_BINARY) runs the replicas: give both runs of a comparison the
@@ -26,6 +28,11 @@
 #      WORKLOAD=dev (or chat) CHAT_CONVERSATIONS=60
 #      KEEP_ALIVE=1: every request on one kept-alive connection (default: a new connection
 #      per request, so the figure includes what accepting and closing a connection costs)
+#      NEW_TEXT=1 (WORKLOAD=chat): no warm-up pass; the counted requests are the first N of the
+#      conversations' turns in order, each sent once, so every request brings text no request
+#      before it had (a first turn whole, a later turn its previous answer and new message), as
+#      scripts/router-paired.sh's client sends them. Without it nearly every counted request
+#      reuses the tokenizer's cache up to its tag.
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -101,8 +108,12 @@ if chat:
     lines = [l.rstrip("\n").split("\t") for l in open(chat, encoding="utf-8") if "\t" in l]
     chat_body = lambda i, tag: (f'{{"model":"bench",{lines[i % len(lines)][0]} [{tag}-{i}]'
                                 f'{lines[i % len(lines)][1]},"max_tokens":8,"temperature":0}}')
-    for i in range(len(lines)):
-        send("/v1/chat/completions", chat_body(i, "warm"), i)
+    if os.environ.get("NEW_TEXT") == "1" and n > len(lines):
+        sys.exit(f"NEW_TEXT=1 sends each turn once: {n} requests need more than the {len(lines)} "
+                 "turns of CHAT_CONVERSATIONS conversations")
+    if os.environ.get("NEW_TEXT") != "1":
+        for i in range(len(lines)):
+            send("/v1/chat/completions", chat_body(i, "warm"), i)
     for i in range(n):
         send("/v1/chat/completions", chat_body(i, "counted"), i)
     sys.exit(0)
@@ -138,7 +149,7 @@ per_data=$(( (d2 - d1) / (N2 - N1) ))
 {
   echo "router: $ROUTER ($("$ROUTER" --version 2>/dev/null || true))"
   echo "simulator: $SIM"
-  echo "workload: $WORKLOAD$([ "$WORKLOAD" = chat ] && echo ", $CHAT_CONVERSATIONS conversations")"
+  echo "workload: $WORKLOAD$([ "$WORKLOAD" = chat ] && echo ", $CHAT_CONVERSATIONS conversations")$([ "${NEW_TEXT:-}" = 1 ] && echo ", each turn sent once (new text)")"
   echo "instructions: $i1 for $N1 requests, $i2 for $N2 requests"
   echo "per request: $per"
   echo "data-plane threads: $d1 for $N1 requests, $d2 for $N2 requests"
