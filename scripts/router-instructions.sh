@@ -77,9 +77,9 @@ count() {
   # The purge delay named here as the router would set it (bins/kinference/src/main.rs): without
   # it the router starts itself again with `exec`, which valgrind does not follow, and the
   # router would run uncounted.
-  NO_COLOR=1 MIMALLOC_PURGE_DELAY=10000 valgrind --tool=callgrind --separate-threads=yes --callgrind-out-file="$dir/callgrind.out" "$ROUTER" serve \
-    --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$TOKENIZER" --block-size 16 \
-    --policy precise --scrape-interval-ms 0 "${SIM_REPLICAS[@]}" >"$dir/router.out" 2>"$dir/router.err" &
+  BENCH_WRAP=(env MIMALLOC_PURGE_DELAY=10000 valgrind --tool=callgrind --separate-threads=yes
+    --callgrind-out-file="$dir/callgrind.out")
+  bench_serve "$ROUTER" "$dir/router" --scrape-interval-ms 0
   pid=$!
   PIDS+=("$pid")
   read -r data admin < <(router_addrs "$dir/router.err" "$pid" 600)

@@ -111,7 +111,7 @@ LOAD_CPUS=${LOAD_CPUS:-}
 ROUTER_CPUS=${ROUTER_CPUS:-}
 VLLM_ROUTER_VERSION=0.1.17
 SGLANG_ROUTER_VERSION=0.3.2
-MODEL=bench
+MODEL=bench # the model lib/bench.sh's router and simulator serve
 REPLICAS=4
 T0=$(date +%s)
 log() { echo "[router-latency +$(( $(date +%s) - T0 ))s] $*" >&2; }
@@ -123,6 +123,8 @@ source "$HERE/lib/proc.sh"
 source "$HERE/lib/net.sh"
 # shellcheck source=lib/nginx.sh
 source "$HERE/lib/nginx.sh"
+# shellcheck source=lib/bench.sh
+source "$HERE/lib/bench.sh"
 
 # --- processes to stop on exit
 PIDS=()
@@ -310,12 +312,11 @@ for _ in $(seq 1 600); do
   sleep 0.1
 done
 [ "$(grep -c '^replica=' "$OUT/sim.out")" = "$REPLICAS" ] || die "the simulator did not start $REPLICAS replicas in 60 s"
-field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
 URLS=()
 KINF_REPLICAS=()
 while read -r line; do
   url=$(field "$line" url)
-  ev=$(field "$line" events | sed 's#//0\.0\.0\.0:#//127.0.0.1:#')
+  ev=$(dial "$(field "$line" events)")
   rp=$(field "$line" replay)
   URLS+=("$url")
   if [ -n "${KINF_NO_EVENTS:-}" ]; then
@@ -334,12 +335,13 @@ log "replicas: ${URLS[*]}"
 ROUTER_PID=""
 # The kinference target's admin address while it runs (empty for every other target).
 ADMIN_URL=""
-# `kinference serve` in front of the replicas, in the background ($! is its PID), its output in
-# PREFIX.out and PREFIX.err.
+# `kinference serve` in front of the replicas as every router benchmark starts it (lib/bench.sh),
+# pinned like the other routers, in the background ($! is its PID), its output in PREFIX.out and
+# PREFIX.err.
+SIM_REPLICAS=("${KINF_REPLICAS[@]}")
+BENCH_WRAP=("${PIN_ROUTER[@]}")
 kinference_serve() { # PREFIX
-  NO_COLOR=1 "${PIN_ROUTER[@]}" "$BIN" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model "$MODEL" \
-    --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${KINF_REPLICAS[@]}" "${KINF_EXTRA[@]}" \
-    >"$1.out" 2>"$1.err" &
+  bench_serve "$BIN" "$1" "${KINF_EXTRA[@]}"
 }
 
 start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID

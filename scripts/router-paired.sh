@@ -129,9 +129,7 @@ start_side() {
 serve() {
   local bin=$1 prefix=$2 pid data admin
   shift 2
-  NO_COLOR=1 "$bin" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench \
-    --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${SIM_REPLICAS[@]}" "$@" \
-    >"$prefix.out" 2>"$prefix.err" &
+  bench_serve "$bin" "$prefix" "$@"
   pid=$!
   PIDS+=("$pid")
   read -r data admin < <(router_addrs "$prefix.err" "$pid" 120) || die "$bin did not start (see $prefix.err)"

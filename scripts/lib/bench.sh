@@ -2,7 +2,8 @@
 # router's per-request work against: 4 simulated replicas with KV events on (one `kinference
 # sim` process, --speedup 100000) and `kinference serve --policy precise` in front, both on
 # port 0, and the run both make against it (and the replicas alone, for scripts/router-paired.sh
-# and scripts/router-instructions.sh). Needs lib/proc.sh and lib/net.sh sourced first.
+# and scripts/router-instructions.sh). `bench_serve` is how every router benchmark starts the
+# router, scripts/router-latency.sh's too. Needs lib/proc.sh and lib/net.sh sourced first.
 
 # bench_setup NAME BINARY: the settings both scripts take (BIN made absolute; TOKENIZER,
 # WARMUP, DURATION, WORKLOAD, and OUT, a fresh directory under RESULTS or target/NAME) and a
@@ -52,23 +53,33 @@ start_sim() {
   done < <(grep '^replica=' "$out/sim.out")
 }
 
-# start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
-# the router answers a completion. Sets SIM_PID and ROUTER_PID, each as soon as its process
-# is started (for the caller's cleanup trap), and URL, the router's data address.
-start_bench_fleet() {
-  local bin=$1 tokenizer=$2 out=$3 data
-  start_sim "$bin" "$tokenizer" "$out" || return 1
+# bench_serve BIN PREFIX [FLAGS...]: `kinference serve` as every router benchmark starts it
+# (router-latency.sh, router-paired.sh, router-instructions.sh and the fleet below), so that
+# their figures are of the same router: model `bench`, TOKENIZER, blocks of 16 tokens, the
+# precise policy, in front of SIM_REPLICAS, then FLAGS. In the background ($! is its PID), its
+# output in PREFIX.out and PREFIX.err. BENCH_WRAP (an array) goes before BIN: a CPU pinning,
+# valgrind.
+BENCH_WRAP=()
+bench_serve() {
+  local bin=$1 prefix=$2
+  shift 2
+  NO_COLOR=1 "${BENCH_WRAP[@]}" "$bin" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench \
+    --tokenizer "$TOKENIZER" --block-size 16 --policy precise "${SIM_REPLICAS[@]}" "$@" \
+    >"$prefix.out" 2>"$prefix.err" &
+}
 
-  NO_COLOR=1 "$bin" serve --listen 127.0.0.1:0 --admin 127.0.0.1:0 --model bench --tokenizer "$tokenizer" \
-    --block-size 16 --policy precise "${SIM_REPLICAS[@]}" >"$out/router.out" 2>"$out/router.err" &
+# start_bench_fleet BIN TOKENIZER OUT: starts both (their output under OUT) and waits until
+# the router is ready (every replica scorable, every event stream subscribed). Sets SIM_PID and
+# ROUTER_PID, each as soon as its process is started (for the caller's cleanup trap), and URL,
+# the router's data address.
+start_bench_fleet() {
+  local bin=$1 TOKENIZER=$2 out=$3 data admin
+  start_sim "$bin" "$TOKENIZER" "$out" || return 1
+  bench_serve "$bin" "$out/router"
   ROUTER_PID=$!
-  read -r data _ < <(router_addrs "$out/router.err" "$ROUTER_PID" 60)
-  URL=http://127.0.0.1:${data##*:}
-  for _ in $(seq 1 100); do
-    curl -sf "$URL/v1/completions" -H 'content-type: application/json' \
-      -d '{"model":"bench","prompt":"hello there","max_tokens":2}' >/dev/null && break
-    sleep 0.2
-  done
+  read -r data admin < <(router_addrs "$out/router.err" "$ROUTER_PID" 60) || return 1
+  wait_router_ready "http://$admin" "$ROUTER_PID" 4 60 || return 1
+  URL=http://$data
 }
 
 # bench_count TAG PERF_ARGS...: wrk at 32 connections with the WORKLOAD for WARMUP, then for
