@@ -24,34 +24,29 @@ pub(crate) fn poll_read_buf(
     buf: &mut BytesMut,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<usize>> {
-    loop {
-        ready!(tcp.poll_read_ready(cx))?;
-        if buf.capacity() - buf.len() < 4096 {
-            buf.reserve(READ_CHUNK);
-        }
-        let asked = buf.capacity() - buf.len();
-        match read_draining(tcp, asked, || tcp.try_read_buf(buf)) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-            r => return Poll::Ready(r),
-        }
-    }
+    poll_read_at_most(tcp, buf, usize::MAX, cx)
 }
 
 /// Reads into `buf` what the socket has, at most `max` bytes (never past them: what follows
 /// may be the next request's, which the connection reads): the bytes read, 0 at the end of the
-/// stream. Room is made only once the socket is ready, so a wait allocates nothing, and the
-/// bytes land in uninitialized capacity instead of a zeroed buffer.
+/// stream. Room is made only once the socket is ready, so a wait allocates nothing: a buffer
+/// with less than 4 KiB (or `max`) free grows by `READ_CHUNK` (or `max`, when less), and the
+/// bytes land in its uninitialized capacity.
 pub(crate) fn poll_read_at_most(
     tcp: &TcpStream,
     buf: &mut BytesMut,
     max: usize,
     cx: &mut Context<'_>,
 ) -> Poll<io::Result<usize>> {
+    let grow = max.min(READ_CHUNK);
     loop {
         ready!(tcp.poll_read_ready(cx))?;
-        buf.reserve(max);
+        if buf.capacity() - buf.len() < grow.min(4096) {
+            buf.reserve(grow);
+        }
+        let asked = (buf.capacity() - buf.len()).min(max);
         let mut room = (&mut *buf).limit(max);
-        match read_draining(tcp, max, || tcp.try_read_buf(&mut room)) {
+        match read_draining(tcp, asked, || tcp.try_read_buf(&mut room)) {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
             r => return Poll::Ready(r),
         }
