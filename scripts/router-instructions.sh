@@ -108,10 +108,11 @@ if chat:
     lines = [l.rstrip("\n").split("\t") for l in open(chat, encoding="utf-8") if "\t" in l]
     chat_body = lambda i, tag: (f'{{"model":"bench",{lines[i % len(lines)][0]} [{tag}-{i}]'
                                 f'{lines[i % len(lines)][1]},"max_tokens":8,"temperature":0}}')
-    if os.environ.get("NEW_TEXT") == "1" and n > len(lines):
+    new_text = os.environ.get("NEW_TEXT") == "1"
+    if new_text and n > len(lines):
         sys.exit(f"NEW_TEXT=1 sends each turn once: {n} requests need more than the {len(lines)} "
                  "turns of CHAT_CONVERSATIONS conversations")
-    if os.environ.get("NEW_TEXT") != "1":
+    if not new_text:
         for i in range(len(lines)):
             send("/v1/chat/completions", chat_body(i, "warm"), i)
     for i in range(n):
