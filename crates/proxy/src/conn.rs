@@ -277,7 +277,9 @@ pub(crate) async fn serve<A: App>(
             builder: builder.clone(),
             app: app.clone(),
             rules: rules.clone(),
-            stop: stop.clone(),
+            // A token of its own: every request's wait on the port's one token locked that
+            // token's state, shared by every connection of both data-plane threads.
+            stop: stop.child_token(),
             metrics: metrics.clone(),
             port,
         };
@@ -448,7 +450,7 @@ impl h1::Watch for Arc<ConnState> {
 
 impl<A: App> Connection<A> {
     async fn run(self, tcp: TcpStream) {
-        let state = Arc::new(ConnState::new());
+        let state = Arc::new(ConnState::new(&self.rules));
         let (tcp, replay) = if self.rules.h1_fast_path {
             let app = &self.app;
             let lean = h1::serve(tcp, &state, |req| app.call(req), &self.stop);
@@ -541,13 +543,20 @@ struct ConnState {
     /// The client speaks HTTP/2: bytes between requests are frames, not heads.
     h2: AtomicBool,
     first_read: AtomicBool,
-    /// Wakes the watchdog when a deadline may have moved earlier (a head began, the last
-    /// request ended).
+    /// When the watchdog's timer fires next (it re-evaluates then whatever happened).
+    armed: AtomicU64,
+    /// Wakes the watchdog when a deadline moved before `armed` (a head began, the last
+    /// request ended). A deadline at or after it needs no wake-up: the timer fires first and
+    /// the watchdog finds the new deadline then. So a kept-alive connection whose heads come
+    /// whole costs the watchdog nothing per request.
     changed: Notify,
+    /// `header_read` and `keep_alive`, in milliseconds.
+    head_ms: u64,
+    idle_ms: u64,
 }
 
 impl ConnState {
-    fn new() -> Self {
+    fn new(rules: &ConnRules) -> Self {
         ConnState {
             start: Instant::now(),
             active: AtomicU32::new(0),
@@ -556,7 +565,18 @@ impl ConnState {
             head_since: AtomicU64::new(NONE),
             h2: AtomicBool::new(false),
             first_read: AtomicBool::new(false),
+            // Not armed yet: any deadline wakes it.
+            armed: AtomicU64::new(u64::MAX),
             changed: Notify::new(),
+            head_ms: rules.header_read.as_millis() as u64,
+            idle_ms: rules.keep_alive.as_millis() as u64,
+        }
+    }
+
+    /// Wakes the watchdog if `deadline` comes before its timer.
+    fn moved(&self, deadline: u64) {
+        if deadline < self.armed.load(Ordering::Relaxed) {
+            self.changed.notify_one();
         }
     }
 
@@ -577,28 +597,28 @@ impl ConnState {
             && self.head_since.load(Ordering::Relaxed) == NONE
             && !self.h2.load(Ordering::Relaxed)
         {
-            self.head_since.store(self.now(), Ordering::Relaxed);
-            self.changed.notify_one();
+            let now = self.now();
+            self.head_since.store(now, Ordering::Relaxed);
+            self.moved(now + self.head_ms);
         }
     }
 
     /// When the connection expires if nothing changes, and why (`None`: a request is in
     /// flight).
-    fn deadline(&self, rules: &ConnRules) -> Option<(u64, Expiry)> {
+    fn deadline(&self) -> Option<(u64, Expiry)> {
         if self.active.load(Ordering::Relaxed) > 0 {
             return None;
         }
-        let ms = |d: Duration| d.as_millis() as u64;
         let head = self.head_since.load(Ordering::Relaxed);
         if head != NONE {
-            return Some((head + ms(rules.header_read), Expiry::HeaderRead));
+            return Some((head + self.head_ms, Expiry::HeaderRead));
         }
         let idle = self.idle_since.load(Ordering::Relaxed);
         if self.begun.load(Ordering::Relaxed) == 0 && !self.h2.load(Ordering::Relaxed) {
             // A connection that never sends a request is a head that never starts.
-            return Some((idle + ms(rules.header_read), Expiry::HeaderRead));
+            return Some((idle + self.head_ms, Expiry::HeaderRead));
         }
-        Some((idle + ms(rules.keep_alive), Expiry::KeepAlive))
+        Some((idle + self.idle_ms, Expiry::KeepAlive))
     }
 }
 
@@ -611,11 +631,14 @@ async fn watchdog(state: &ConnState, rules: &ConnRules) -> Expiry {
     tokio::pin!(timer);
     loop {
         let changed = state.changed.notified();
-        let wake = match state.deadline(rules) {
-            Some((at, why)) if state.now() >= at => return why,
-            Some((at, _)) => state.at(at),
-            None => Instant::now() + recheck,
+        let now = state.now();
+        let at = match state.deadline() {
+            Some((at, why)) if now >= at => return why,
+            Some((at, _)) => at,
+            None => now + recheck.as_millis() as u64,
         };
+        state.armed.store(at, Ordering::Relaxed);
+        let wake = state.at(at);
         if timer.deadline() != wake {
             timer.as_mut().reset(wake);
         }
@@ -643,8 +666,9 @@ impl Drop for Active {
     fn drop(&mut self) {
         let s = &self.0;
         if s.active.fetch_sub(1, Ordering::Relaxed) == 1 {
-            s.idle_since.store(s.now(), Ordering::Relaxed);
-            s.changed.notify_one();
+            let now = s.now();
+            s.idle_since.store(now, Ordering::Relaxed);
+            s.moved(now + s.idle_ms);
         }
     }
 }

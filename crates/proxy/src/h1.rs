@@ -157,7 +157,8 @@ impl Body for LeanBody {
 pub(crate) trait Watch {
     /// A request in flight until dropped.
     type Active;
-    /// Bytes arrived from the client while no request was in flight.
+    /// A head began but is not whole (or the connection goes to hyper): `bytes` are all
+    /// those buffered since the last request, from the first (repeated calls are harmless).
     fn read(&self, bytes: &[u8]);
     /// A whole head arrived: its request is in flight.
     fn begin(&self) -> Self::Active;
@@ -194,25 +195,35 @@ where
     // dispatcher): kept inline, it would make every connection's task as large as a routed
     // request's state, copied whole when the task is spawned.
     let mut in_flight: Pin<Box<Option<F>>> = Box::pin(None);
+    // One wait for the connection's life: a fresh one per head registers with the token and
+    // leaves it again under the token's lock.
+    let stopped = stop.cancelled();
+    tokio::pin!(stopped);
     loop {
+        // The watchdog hears of a head only when it does not come whole: one that does is in
+        // flight at once, and timing it would cost a wake-up per request.
         let head = loop {
             if !buf.is_empty() {
                 match parse(&buf) {
                     Parsed::Complete(h) => break h,
-                    Parsed::Partial if buf.len() <= MAX_HEAD => {}
-                    Parsed::Partial | Parsed::Other => return handover(socket, buf),
+                    Parsed::Partial if buf.len() <= MAX_HEAD => watch.read(&buf),
+                    Parsed::Partial | Parsed::Other => {
+                        watch.read(&buf);
+                        return handover(socket, buf);
+                    }
                 }
             }
             tokio::select! {
                 biased;
-                () = stop.cancelled() => return Ended::Closed,
+                () = &mut stopped => return Ended::Closed,
                 r = read_more(&socket.tcp, &mut buf) => match r {
                     Ok(0) | Err(_) => return Ended::Closed,
-                    Ok(n) => watch.read(&buf[buf.len() - n..]),
+                    Ok(_) => {}
                 },
             }
         };
         let Some((parts, close)) = head_parts(&head, &buf) else {
+            watch.read(&buf);
             return handover(socket, buf);
         };
         let active = watch.begin();
@@ -235,10 +246,6 @@ where
         drop(active);
         if !kept || close || stop.is_cancelled() || !drain(&socket, &mut buf).await {
             return Ended::Closed;
-        }
-        if !buf.is_empty() {
-            // Pipelined bytes: the next head has begun.
-            watch.read(&buf);
         }
     }
 }

@@ -435,6 +435,63 @@ async fn a_head_begun_on_a_kept_alive_connection_has_the_head_timeout_not_the_id
     proxy.shutdown().await;
 }
 
+/// The watchdog's timer is armed for the first head's deadline; a request's end that moves
+/// the next deadline before it must wake the watchdog.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_timeout_shorter_than_the_head_timeout_closes_a_kept_alive_connection() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    // Longer than the test waits: only the idle timeout can close the connection in time.
+    cfg.timeouts.header_read_ms = 10 * WAIT.as_millis() as u64;
+    cfg.timeouts.keep_alive_ms = 200;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
+    assert_eq!(status, 200);
+    closed_by_router(s).await;
+    let page = metrics_page(&proxy).await;
+    assert_eq!(
+        metric(
+            &page,
+            r#"kinference_client_timeouts_total{port="data",kind="keep_alive"}"#
+        ),
+        1.0,
+        "{page}"
+    );
+    proxy.shutdown().await;
+}
+
+/// The watchdog hears nothing of heads that come whole (it is not woken per request): its
+/// timer, armed for the first head's deadline, must find the idle deadline when it fires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_whose_heads_came_whole_is_closed_by_the_idle_timeout_not_the_head_one() {
+    let ok = replica(200, open()).await;
+    let mut cfg = config(&[ok], "least-load");
+    cfg.timeouts.header_read_ms = 100;
+    cfg.timeouts.keep_alive_ms = 1_000;
+    let proxy = Proxy::start(cfg).await.unwrap();
+    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    for _ in 0..2 {
+        let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
+        assert_eq!(status, 200);
+    }
+    // Several head timeouts later, well inside the idle one: still open.
+    let mut b = [0u8; 64];
+    let early = tokio::time::timeout(std::time::Duration::from_millis(400), s.read(&mut b)).await;
+    assert!(early.is_err(), "closed before the idle timeout: {early:?}");
+    closed_by_router(s).await;
+    let page = metrics_page(&proxy).await;
+    let timeouts = |kind: &str| {
+        metric(
+            &page,
+            &format!(r#"kinference_client_timeouts_total{{port="data",kind="{kind}"}}"#),
+        )
+    };
+    assert_eq!(timeouts("keep_alive"), 1.0, "{page}");
+    assert!(!page.contains(r#"kind="header_read""#), "{page}");
+    proxy.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_connection_cap_pauses_accepting_and_resumes_when_one_closes() {
     let ok = replica(200, open()).await;
