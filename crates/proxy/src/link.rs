@@ -254,11 +254,17 @@ impl Links {
     }
 
     fn checkin(&self, mut link: Link, authority: Authority) {
-        link.idle_since = Instant::now();
         let mut idle = self.idle.lock();
+        // Read under the lock: a list is then in the order of its links' times (checkout
+        // takes the newest), and the expired ones lead it.
+        let now = Instant::now();
+        link.idle_since = now;
         let list = idle.entry(authority).or_default();
-        // The oldest first out, so that connections the replica may time out are not kept.
-        list.retain(|l| l.idle_since.elapsed() <= self.idle_timeout);
+        // The oldest first out, so that connections the replica may time out are not kept:
+        // one clock reading, not one per link, under the shared lock.
+        let expired =
+            list.partition_point(|l| now.duration_since(l.idle_since) > self.idle_timeout);
+        list.drain(..expired);
         if list.len() < self.max_idle_per_host {
             list.push(link);
         }
@@ -859,6 +865,37 @@ mod tests {
             assert_eq!(read_all(&links, &authority).await, "hello");
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    }
+
+    /// Checking a connection in drops the ones that sat idle past the timeout, however many
+    /// lead the list, and keeps the younger ones in order.
+    #[tokio::test]
+    async fn checking_in_drops_the_connections_idle_too_long() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let authority: Authority = addr.to_string().parse().unwrap();
+        let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+        let now = Instant::now();
+        let link = |idle_for: u64| async move {
+            Link {
+                tcp: TcpStream::connect(addr).await.unwrap(),
+                buf: BytesMut::new(),
+                head: Vec::new(),
+                idle_since: now.checked_sub(Duration::from_secs(idle_for)).unwrap(),
+            }
+        };
+        let mut listed = Vec::new();
+        for idle_for in [90, 70, 61, 30, 5] {
+            listed.push(link(idle_for).await);
+        }
+        links.idle.lock().insert(authority.clone(), listed);
+        links.checkin(link(0).await, authority.clone());
+        let idle = links.idle.lock();
+        let ages: Vec<u64> = idle[&authority]
+            .iter()
+            .map(|l| now.saturating_duration_since(l.idle_since).as_secs())
+            .collect();
+        assert_eq!(ages, [30, 5, 0]);
     }
 
     #[tokio::test]
