@@ -874,28 +874,35 @@ mod tests {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let authority: Authority = addr.to_string().parse().unwrap();
-        let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
+        let links = Links::new(Duration::from_secs(2), Duration::from_secs(2));
         let now = Instant::now();
-        let link = |idle_for: u64| async move {
-            Link {
+        // Well past the timeout or well inside it, whatever this test itself takes.
+        let since: Vec<Instant> = [9_000, 7_000, 3_000, 1_000, 500]
+            .iter()
+            .map(|&ms| now.checked_sub(Duration::from_millis(ms)).unwrap())
+            .collect();
+        let mut listed = Vec::new();
+        for &idle_since in &since {
+            listed.push(Link {
                 tcp: TcpStream::connect(addr).await.unwrap(),
                 buf: BytesMut::new(),
                 head: Vec::new(),
-                idle_since: now.checked_sub(Duration::from_secs(idle_for)).unwrap(),
-            }
-        };
-        let mut listed = Vec::new();
-        for idle_for in [90, 70, 61, 30, 5] {
-            listed.push(link(idle_for).await);
+                idle_since,
+            });
         }
         links.idle.lock().insert(authority.clone(), listed);
-        links.checkin(link(0).await, authority.clone());
+        let fresh = Link {
+            tcp: TcpStream::connect(addr).await.unwrap(),
+            buf: BytesMut::new(),
+            head: Vec::new(),
+            idle_since: now,
+        };
+        links.checkin(fresh, authority.clone());
         let idle = links.idle.lock();
-        let ages: Vec<u64> = idle[&authority]
-            .iter()
-            .map(|l| now.saturating_duration_since(l.idle_since).as_secs())
-            .collect();
-        assert_eq!(ages, [30, 5, 0]);
+        let kept: Vec<Instant> = idle[&authority].iter().map(|l| l.idle_since).collect();
+        assert_eq!(kept.len(), 3, "{kept:?}");
+        assert_eq!(kept[..2], since[3..]);
+        assert!(kept[2] >= now);
     }
 
     #[tokio::test]
