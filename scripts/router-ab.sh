@@ -43,8 +43,9 @@ for i in $(seq 1 "$PAIRS"); do
   done
 done
 
-python3 - "$OUT" "$PAIRS" <<'EOF'
+PYTHONPATH="$HERE/lib${PYTHONPATH:+:$PYTHONPATH}" python3 - "$OUT" "$PAIRS" <<'EOF'
 import glob, json, statistics, sys
+from cells import cpu_ms, rps
 
 out, pairs = sys.argv[1], int(sys.argv[2])
 def cell(side, i):
@@ -52,9 +53,7 @@ def cell(side, i):
         for line in open(path):
             r = json.loads(line)
             if r["target"] == "kinference" and r["cell"] == "c32":
-                n = r["wrk"]["requests"]
-                cpu = r["router_ticks"] / r["clk_tck"] / n * 1e6
-                return cpu, n * 1e6 / r["wrk"]["duration_us"]
+                return 1000.0 * cpu_ms(r), rps(r)
     sys.exit(f"no 32-connection cell for {side} run {i} under {out}")
 
 runs = {s: [cell(s, i) for i in range(1, pairs + 1)] for s in "AB"}

@@ -520,23 +520,13 @@ PYTHONPATH="$HERE/lib${PYTHONPATH:+:$PYTHONPATH}" python3 - "$CELLS" "$CONNS" <<
 import glob, json, os, sys
 from collections import defaultdict
 import prom
+from cells import cpu_ms, errors, rps
 
 cells_path, conns = sys.argv[1], sys.argv[2]
 rows = [json.loads(l) for l in open(cells_path) if l.strip()]
 by = {(r["target"], r["round"], r["pair"], r["cell"]): r for r in rows}
 targets = list(dict.fromkeys(r["target"] for r in rows))
 rounds = sorted({r["round"] for r in rows})
-
-def rps(r):
-    return r["wrk"]["requests"] / (r["wrk"]["duration_us"] / 1e6)
-
-def errors(r):
-    w = r["wrk"]
-    return sum(w[k] for k in ("errors_connect", "errors_read", "errors_write", "errors_status", "errors_timeout"))
-
-def cpu_ms(r, key="router_ticks"):
-    n = r["wrk"]["requests"]
-    return 1000.0 * r[key] / r["clk_tck"] / n if n else None
 
 def metrics(t, rnd, pair):
     """One target's numbers in one round; ratios against the direct cells measured just before it."""
