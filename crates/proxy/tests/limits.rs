@@ -182,6 +182,27 @@ async fn metrics_page(proxy: &Proxy) -> String {
     body
 }
 
+/// The data port's client timeouts of `kind` counted on `page`.
+fn data_timeouts(page: &str, kind: &str) -> f64 {
+    metric(
+        page,
+        &format!(r#"kinference_client_timeouts_total{{port="data",kind="{kind}"}}"#),
+    )
+}
+
+/// `GET /health` answered 200 on `s`, which stays open.
+async fn health_on(s: &mut TcpStream) {
+    let (status, _, body) = request_on(s, "GET", "/health", "", false).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// A connection to `addr` with one request answered on it, kept alive.
+async fn kept_alive(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.unwrap();
+    health_on(&mut s).await;
+    s
+}
+
 /// Waits until `n` requests wait in pool `tiny`'s queue; panics after `WAIT`.
 async fn wait_queued(proxy: &Proxy, n: f64) {
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -352,10 +373,7 @@ async fn stalled_heads_are_closed_while_other_clients_are_served() {
     futures_util::future::join_all(closing).await;
     let page = metrics_page(&proxy).await;
     assert_eq!(
-        metric(
-            &page,
-            r#"kinference_client_timeouts_total{port="data",kind="header_read"}"#
-        ),
+        data_timeouts(&page, "header_read"),
         STALLED as f64,
         "{page}"
     );
@@ -393,20 +411,11 @@ async fn a_trickling_body_gets_408_and_an_idle_connection_is_closed() {
     assert!(text.contains("\"RequestTimeoutError\""), "{text}");
 
     // A kept-alive connection after its request: closed once idle.
-    let mut s = TcpStream::connect(addr).await.unwrap();
-    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
-    assert_eq!(status, 200);
-    closed_by_router(s).await;
+    closed_by_router(kept_alive(addr).await).await;
 
     let page = metrics_page(&proxy).await;
-    let timeouts = |kind: &str| {
-        metric(
-            &page,
-            &format!(r#"kinference_client_timeouts_total{{port="data",kind="{kind}"}}"#),
-        )
-    };
-    assert_eq!(timeouts("body_read"), 1.0, "{page}");
-    assert_eq!(timeouts("keep_alive"), 1.0, "{page}");
+    assert_eq!(data_timeouts(&page, "body_read"), 1.0, "{page}");
+    assert_eq!(data_timeouts(&page, "keep_alive"), 1.0, "{page}");
     proxy.shutdown().await;
 }
 
@@ -418,20 +427,11 @@ async fn a_head_begun_on_a_kept_alive_connection_has_the_head_timeout_not_the_id
     // Longer than the test waits: only the head timeout can close the connection in time.
     cfg.timeouts.keep_alive_ms = 10 * WAIT.as_millis() as u64;
     let proxy = Proxy::start(cfg).await.unwrap();
-    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
-    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
-    assert_eq!(status, 200);
+    let mut s = kept_alive(proxy.data_addr()).await;
     s.write_all(b"GET /health HTTP/1.1\r\nho").await.unwrap();
     closed_by_router(s).await;
     let page = metrics_page(&proxy).await;
-    assert_eq!(
-        metric(
-            &page,
-            r#"kinference_client_timeouts_total{port="data",kind="header_read"}"#
-        ),
-        1.0,
-        "{page}"
-    );
+    assert_eq!(data_timeouts(&page, "header_read"), 1.0, "{page}");
     proxy.shutdown().await;
 }
 
@@ -445,19 +445,9 @@ async fn an_idle_timeout_shorter_than_the_head_timeout_closes_a_kept_alive_conne
     cfg.timeouts.header_read_ms = 10 * WAIT.as_millis() as u64;
     cfg.timeouts.keep_alive_ms = 200;
     let proxy = Proxy::start(cfg).await.unwrap();
-    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
-    let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
-    assert_eq!(status, 200);
-    closed_by_router(s).await;
+    closed_by_router(kept_alive(proxy.data_addr()).await).await;
     let page = metrics_page(&proxy).await;
-    assert_eq!(
-        metric(
-            &page,
-            r#"kinference_client_timeouts_total{port="data",kind="keep_alive"}"#
-        ),
-        1.0,
-        "{page}"
-    );
+    assert_eq!(data_timeouts(&page, "keep_alive"), 1.0, "{page}");
     proxy.shutdown().await;
 }
 
@@ -470,24 +460,15 @@ async fn a_connection_whose_heads_came_whole_is_closed_by_the_idle_timeout_not_t
     cfg.timeouts.header_read_ms = 100;
     cfg.timeouts.keep_alive_ms = 1_000;
     let proxy = Proxy::start(cfg).await.unwrap();
-    let mut s = TcpStream::connect(proxy.data_addr()).await.unwrap();
-    for _ in 0..2 {
-        let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
-        assert_eq!(status, 200);
-    }
+    let mut s = kept_alive(proxy.data_addr()).await;
+    health_on(&mut s).await;
     // Several head timeouts later, well inside the idle one: still open.
     let mut b = [0u8; 64];
     let early = tokio::time::timeout(std::time::Duration::from_millis(400), s.read(&mut b)).await;
     assert!(early.is_err(), "closed before the idle timeout: {early:?}");
     closed_by_router(s).await;
     let page = metrics_page(&proxy).await;
-    let timeouts = |kind: &str| {
-        metric(
-            &page,
-            &format!(r#"kinference_client_timeouts_total{{port="data",kind="{kind}"}}"#),
-        )
-    };
-    assert_eq!(timeouts("keep_alive"), 1.0, "{page}");
+    assert_eq!(data_timeouts(&page, "keep_alive"), 1.0, "{page}");
     assert!(!page.contains(r#"kind="header_read""#), "{page}");
     proxy.shutdown().await;
 }
@@ -503,10 +484,7 @@ async fn the_connection_cap_pauses_accepting_and_resumes_when_one_closes() {
 
     let mut held = Vec::new();
     for _ in 0..4 {
-        let mut s = TcpStream::connect(addr).await.unwrap();
-        let (status, _, _) = request_on(&mut s, "GET", "/health", "", false).await;
-        assert_eq!(status, 200);
-        held.push(s);
+        held.push(kept_alive(addr).await);
     }
     // The fifth is accepted by the kernel but not by the router: its request waits.
     let fifth = tokio::spawn(async move { request(addr, "GET", "/health", "").await });
