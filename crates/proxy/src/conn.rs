@@ -457,7 +457,7 @@ impl<A: App> Connection<A> {
             // Pinned out here, so that the socket it owns closes only after the timeout is
             // counted: a client that sees the close and reads the metrics finds it there.
             tokio::pin!(lean);
-            let watchdog = watchdog(&state, &self.rules);
+            let watchdog = watchdog(&state);
             let ended = tokio::select! {
                 ended = &mut lean => ended,
                 // Only while no request is in flight: nothing to answer.
@@ -494,7 +494,7 @@ impl<A: App> Connection<A> {
         });
         let conn = self.builder.serve_connection_with_upgrades(io, svc);
         tokio::pin!(conn);
-        let watchdog = watchdog(&state, &self.rules);
+        let watchdog = watchdog(&state);
         tokio::pin!(watchdog);
         let ended = tokio::select! {
             r = conn.as_mut() => Some(r),
@@ -624,10 +624,10 @@ impl ConnState {
 
 /// Waits until the connection expires; re-evaluated when the state changes, and at least
 /// every `min(header_read, keep_alive)` while a request is in flight.
-async fn watchdog(state: &ConnState, rules: &ConnRules) -> Expiry {
-    let recheck = rules.header_read.min(rules.keep_alive);
+async fn watchdog(state: &ConnState) -> Expiry {
+    let recheck = state.head_ms.min(state.idle_ms);
     // One timer for the connection's life, moved as the deadline moves.
-    let timer = tokio::time::sleep(recheck);
+    let timer = tokio::time::sleep(Duration::from_millis(recheck));
     tokio::pin!(timer);
     loop {
         let changed = state.changed.notified();
@@ -635,7 +635,7 @@ async fn watchdog(state: &ConnState, rules: &ConnRules) -> Expiry {
         let at = match state.deadline() {
             Some((at, why)) if now >= at => return why,
             Some((at, _)) => at,
-            None => now + recheck.as_millis() as u64,
+            None => now + recheck,
         };
         state.armed.store(at, Ordering::Relaxed);
         let wake = state.at(at);
