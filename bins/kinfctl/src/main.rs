@@ -292,7 +292,8 @@ fn token_ids(args: &HashArgs) -> Result<Vec<u32>> {
         Value::Object(_) => body,
         _ => bail!("--messages must be a JSON array of messages or a chat request object"),
     };
-    let request = ChatRequest::from_json(body.to_string().as_bytes())?;
+    let body = body.to_string();
+    let request = ChatRequest::from_json(body.as_bytes())?;
     Ok(tokenizer.encode_chat(&request)?)
 }
 

@@ -63,7 +63,7 @@ pub fn chat_tokens_approx(messages: &[Message], vocab: u32) -> Vec<u32> {
     out
 }
 
-pub(crate) fn chat_request(messages: &[Message]) -> ChatRequest {
+pub(crate) fn chat_request(messages: &[Message]) -> ChatRequest<'static> {
     ChatRequest::from_messages(
         messages
             .iter()

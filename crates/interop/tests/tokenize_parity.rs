@@ -87,8 +87,8 @@ async fn router_tokenization_equals_vllm_tokenize() {
 
     let (mut chats, mut prompts, mut tokens) = (0usize, 0usize, 0usize);
     for (i, msgs) in convs.iter().enumerate() {
-        let body = json!({ "model": "tiny", "messages": msgs });
-        let req = ChatRequest::from_json(body.to_string().as_bytes()).unwrap();
+        let body = json!({ "model": "tiny", "messages": msgs }).to_string();
+        let req = ChatRequest::from_json(body.as_bytes()).unwrap();
         let ours = tokenizer.encode_chat(&req).unwrap();
         let theirs = client.tokenize_chat(msgs).await.unwrap();
         assert!(

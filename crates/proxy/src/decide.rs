@@ -111,31 +111,31 @@ pub(crate) struct WarmSource {
 }
 
 /// A request body's pool, found from its `model` before any tokenizing (so that a request
-/// can wait at its pool's gate first), and the body parsed as its API's request.
-pub(crate) struct Looked<'f> {
+/// can wait at its pool's gate first), and the body (`'b`) parsed as its API's request.
+pub(crate) struct Looked<'f, 'b> {
     pub pool: &'f Arc<Pool>,
     lora: Option<&'f Lora>,
     head: Head,
     /// The parse, or why it failed: that error is the request's, answered after the pool's
     /// gate as before the body was read once.
-    request: Result<Parsed, TokenizeError>,
+    request: Result<Parsed<'b>, TokenizeError>,
 }
 
-/// A body parsed as its API's request.
-enum Parsed {
+/// A body parsed as its API's request; a chat request's message texts borrow the body.
+enum Parsed<'b> {
     /// Boxed: a chat request is large next to a completions one.
-    Chat(Box<ChatRequest>),
-    Completions(CompletionRequest),
+    Chat(Box<ChatRequest<'b>>),
+    Completions(CompletionRequest<'b>),
 }
 
 /// Parses a request body once, as its API's request (which carries `model` and `cache_salt`
 /// too), and finds its pool. A body that is no such request is read again for those two alone:
 /// it is still routed, or refused, by them.
-pub(crate) fn lookup<'f>(
+pub(crate) fn lookup<'f, 'b>(
     fleet: &'f Fleet,
     api: Api,
-    body: &[u8],
-) -> Result<Looked<'f>, RequestError> {
+    body: &'b [u8],
+) -> Result<Looked<'f, 'b>, RequestError> {
     let mut request = match api {
         Api::Chat => ChatRequest::from_json(body).map(|r| Parsed::Chat(Box::new(r))),
         Api::Completions => CompletionRequest::from_json(body).map(Parsed::Completions),
@@ -179,7 +179,7 @@ pub(crate) fn prepare(
 /// [`prepare`] for a body whose pool was already looked up.
 pub(crate) fn prepare_looked(
     fleet: &Fleet,
-    looked: Looked<'_>,
+    looked: Looked<'_, '_>,
     headers: &HeaderMap,
     peek: bool,
 ) -> Result<Prepared, RequestError> {
@@ -241,7 +241,7 @@ pub(crate) fn prepare_looked(
     })
 }
 
-fn tokenize(rules: &Rules, request: &Parsed) -> Result<(Vec<u32>, Reuse), TokenizeError> {
+fn tokenize(rules: &Rules, request: &Parsed<'_>) -> Result<(Vec<u32>, Reuse), TokenizeError> {
     match request {
         Parsed::Chat(req) => rules.tokenizer.encode_chat_reuse(req),
         Parsed::Completions(req) => {
@@ -796,8 +796,8 @@ mod tests {
                 }
                 let repeats = 1 + step(2);
                 for _ in 0..repeats {
-                    let body = serde_json::json!({"model": "m", "messages": messages});
-                    let req = ChatRequest::from_json(body.to_string().as_bytes()).unwrap();
+                    let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+                    let req = ChatRequest::from_json(body.as_bytes()).unwrap();
                     let (tokens, reuse) = tokenizer.encode_chat_reuse(&req).unwrap();
                     let h = &hashers[step(2) as usize];
                     if reuse
@@ -849,8 +849,9 @@ mod tests {
                 prompt.push_str(&more);
                 let add = step(4) != 0;
                 let body =
-                    serde_json::json!({"model": "m", "prompt": prompt, "add_special_tokens": add});
-                let req = CompletionRequest::from_json(body.to_string().as_bytes()).unwrap();
+                    serde_json::json!({"model": "m", "prompt": prompt, "add_special_tokens": add})
+                        .to_string();
+                let req = CompletionRequest::from_json(body.as_bytes()).unwrap();
                 let (prompts, reuse) = tokenizer.encode_completion_request_reuse(&req).unwrap();
                 let tokens = &prompts[0];
                 assert_eq!(tokens, &tokenizer.encode_uncached(&prompt, add).unwrap());

@@ -124,7 +124,8 @@ fn request(question: &str) -> Value {
 
 fn tokens(body: &Value) -> Vec<u32> {
     let tok = Tokenizer::from_dir(tokenizer_dir()).unwrap();
-    let req = CompletionRequest::from_json(&serde_json::to_vec(body).unwrap()).unwrap();
+    let body = serde_json::to_vec(body).unwrap();
+    let req = CompletionRequest::from_json(&body).unwrap();
     tok.encode_completion_request(&req)
         .unwrap()
         .into_iter()

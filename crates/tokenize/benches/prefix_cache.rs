@@ -28,9 +28,9 @@ use kinference_tokenize::{ChatMessage, ChatRequest, MessageContent, Tokenizer, T
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn content_text(m: &ChatMessage) -> String {
+fn content_text(m: &ChatMessage<'_>) -> String {
     match &m.content {
-        Some(MessageContent::Text(t)) => t.clone(),
+        Some(MessageContent::Text(t)) => t.to_string(),
         _ => String::new(),
     }
 }
@@ -60,7 +60,11 @@ fn conversations(
     tok: &Tokenizer,
     texts: &[String],
     tokens: usize,
-) -> (ChatRequest, ChatRequest, ChatRequest) {
+) -> (
+    ChatRequest<'static>,
+    ChatRequest<'static>,
+    ChatRequest<'static>,
+) {
     let mut msgs = vec![ChatMessage::text("system", "You are a helpful assistant.")];
     let mut it = texts.iter();
     let mut approx = 0;
@@ -119,15 +123,14 @@ fn bench(c: &mut Criterion) {
         // history and encodes the new turn. Building the input is not timed.
         tok.encode_chat(&base).unwrap();
         let n = std::cell::Cell::new(0u64);
-        let fresh = |req: &ChatRequest| {
+        let fresh = |req: &ChatRequest<'static>| {
             n.set(n.get() + 1);
             let n = n.get();
             let mut r = req.clone();
             if let Some(last) = r.messages.last_mut() {
-                last.content = Some(MessageContent::Text(format!(
-                    "(turn {n}) {}",
-                    content_text(last)
-                )));
+                last.content = Some(MessageContent::Text(
+                    format!("(turn {n}) {}", content_text(last)).into(),
+                ));
             }
             r
         };

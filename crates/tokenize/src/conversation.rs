@@ -261,7 +261,7 @@ impl Message<'_> {
 }
 
 /// One message as vLLM's `_parse_chat_message_content` + `_postprocess_messages` leave it.
-fn normalize_message(m: &ChatMessage, format: ContentFormat) -> Result<Message<'_>> {
+fn normalize_message<'m>(m: &'m ChatMessage<'_>, format: ContentFormat) -> Result<Message<'m>> {
     let content = match &m.content {
         // The common case, without building a parts list.
         Some(MessageContent::Text(s))

@@ -16,11 +16,13 @@ fn default_true() -> bool {
     true
 }
 
-/// A chat request (the fields vLLM's chat preprocessing reads).
+/// A chat request (the fields vLLM's chat preprocessing reads). Message texts without escapes
+/// borrow the body's bytes (`'a`); the rest of the request is owned.
 #[derive(Debug, Clone, Deserialize)]
-pub struct ChatRequest {
+pub struct ChatRequest<'a> {
     /// The conversation.
-    pub messages: Vec<ChatMessage>,
+    #[serde(borrow)]
+    pub messages: Vec<ChatMessage<'a>>,
     /// Tool (function) definitions; rendered by templates that support tools.
     #[serde(default)]
     pub tools: Option<Vec<Json>>,
@@ -60,14 +62,14 @@ pub struct ChatRequest {
 
 /// One message of a chat request.
 #[derive(Debug, Clone, Deserialize)]
-pub struct ChatMessage {
+pub struct ChatMessage<'a> {
     /// `system`, `developer`, `user`, `assistant`, `tool` (kept without an allocation), or a
     /// custom role (kept as sent).
     #[serde(deserialize_with = "role")]
     pub role: Cow<'static, str>,
     /// A string, a list of content parts, or absent/null.
-    #[serde(default)]
-    pub content: Option<MessageContent>,
+    #[serde(default, borrow)]
+    pub content: Option<MessageContent<'a>>,
     /// Participant or function name.
     #[serde(default)]
     pub name: Option<Json>,
@@ -91,11 +93,21 @@ pub struct ChatMessage {
 
 /// Message content as sent.
 #[derive(Debug, Clone)]
-pub enum MessageContent {
-    /// Plain text.
-    Text(String),
+pub enum MessageContent<'a> {
+    /// Plain text: borrowed from the body unless it had escapes to undo.
+    Text(Cow<'a, str>),
     /// Content parts (`{"type": "text", "text": ...}`, ...), kept as JSON.
     Parts(Vec<Json>),
+}
+
+impl MessageContent<'_> {
+    /// The same content, owning its text.
+    pub fn into_owned(self) -> MessageContent<'static> {
+        match self {
+            MessageContent::Text(t) => MessageContent::Text(Cow::Owned(t.into_owned())),
+            MessageContent::Parts(p) => MessageContent::Parts(p),
+        }
+    }
 }
 
 /// The roles of the OpenAI API: every message names one, so they are not allocated per message.
@@ -124,27 +136,31 @@ fn role<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Cow<'static, str
 
 /// What `#[serde(untagged)]` accepted (a string, or an array of any JSON values), read in one
 /// pass: untagged buffered every content into serde's generic `Content` first and copied the text
-/// out of it again, and contents are most of a chat request's bytes.
-impl<'de> Deserialize<'de> for MessageContent {
+/// out of it again, and contents are most of a chat request's bytes. A text the parser can lend
+/// whole (no escapes) is borrowed, not copied.
+impl<'de: 'a, 'a> Deserialize<'de> for MessageContent<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
-        struct ContentVisitor;
+        struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
 
-        impl<'de> Visitor<'de> for ContentVisitor {
-            type Value = MessageContent;
+        impl<'de: 'a, 'a> Visitor<'de> for ContentVisitor<'a> {
+            type Value = MessageContent<'a>;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a string or a list of content parts")
             }
-            fn visit_str<E>(self, v: &str) -> std::result::Result<MessageContent, E> {
-                Ok(MessageContent::Text(v.to_string()))
+            fn visit_borrowed_str<E>(self, v: &'de str) -> std::result::Result<Self::Value, E> {
+                Ok(MessageContent::Text(Cow::Borrowed(v)))
             }
-            fn visit_string<E>(self, v: String) -> std::result::Result<MessageContent, E> {
-                Ok(MessageContent::Text(v))
+            fn visit_str<E>(self, v: &str) -> std::result::Result<Self::Value, E> {
+                Ok(MessageContent::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> std::result::Result<Self::Value, E> {
+                Ok(MessageContent::Text(Cow::Owned(v)))
             }
             fn visit_seq<A: SeqAccess<'de>>(
                 self,
                 mut seq: A,
-            ) -> std::result::Result<MessageContent, A::Error> {
+            ) -> std::result::Result<Self::Value, A::Error> {
                 let mut parts = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
                 while let Some(part) = seq.next_element::<Json>()? {
                     parts.push(part);
@@ -153,7 +169,7 @@ impl<'de> Deserialize<'de> for MessageContent {
             }
         }
 
-        d.deserialize_any(ContentVisitor)
+        d.deserialize_any(ContentVisitor(std::marker::PhantomData))
     }
 }
 
@@ -177,14 +193,14 @@ fn parse<'de, T: Deserialize<'de>>(body: &'de [u8]) -> Result<T> {
     serde_json::from_str(text).map_err(|e| TokenizeError::InvalidRequest(e.to_string()))
 }
 
-impl ChatRequest {
-    /// Parses a request body.
-    pub fn from_json(body: &[u8]) -> Result<Self> {
+impl<'a> ChatRequest<'a> {
+    /// Parses a request body; the request borrows message texts from it.
+    pub fn from_json(body: &'a [u8]) -> Result<Self> {
         parse(body)
     }
 
     /// A request with these messages and vLLM's defaults for everything else.
-    pub fn from_messages(messages: Vec<ChatMessage>) -> Self {
+    pub fn from_messages(messages: Vec<ChatMessage<'a>>) -> Self {
         ChatRequest {
             messages,
             tools: None,
@@ -202,12 +218,12 @@ impl ChatRequest {
     }
 }
 
-impl ChatMessage {
-    /// A message with plain text content.
+impl ChatMessage<'static> {
+    /// A message with plain text content (owned).
     pub fn text(role: &str, content: &str) -> Self {
         ChatMessage {
             role: Cow::Owned(role.to_owned()),
-            content: Some(MessageContent::Text(content.to_string())),
+            content: Some(MessageContent::Text(Cow::Owned(content.to_owned()))),
             name: None,
             tool_calls: None,
             tool_call_id: None,
@@ -220,9 +236,9 @@ impl ChatMessage {
 
 /// The `prompt` of a completions request, in the four forms the OpenAI API allows.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CompletionPrompt {
-    /// One text prompt.
-    Text(String),
+pub enum CompletionPrompt<'a> {
+    /// One text prompt: borrowed from the body unless it had escapes to undo.
+    Text(Cow<'a, str>),
     /// One prompt given as token ids (used as is).
     Ids(Vec<u32>),
     /// Several text prompts (a batch: vLLM runs each as its own request).
@@ -235,7 +251,7 @@ pub enum CompletionPrompt {
 /// serde's generic `Content` and copied the text out again (a prompt is most of a completions
 /// request's bytes). An array's first element decides which list it is; an empty one is
 /// `Ids`, as untagged tried `Ids` first. Tested against the untagged enum.
-impl<'de> Deserialize<'de> for CompletionPrompt {
+impl<'de: 'a, 'a> Deserialize<'de> for CompletionPrompt<'a> {
     fn deserialize<D: Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
         /// The first element of an array prompt.
         enum First {
@@ -290,10 +306,10 @@ impl<'de> Deserialize<'de> for CompletionPrompt {
             Ok(all)
         }
 
-        struct PromptVisitor;
+        struct PromptVisitor<'a>(std::marker::PhantomData<&'a ()>);
 
-        impl<'de> Visitor<'de> for PromptVisitor {
-            type Value = CompletionPrompt;
+        impl<'de: 'a, 'a> Visitor<'de> for PromptVisitor<'a> {
+            type Value = CompletionPrompt<'a>;
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(
@@ -301,16 +317,19 @@ impl<'de> Deserialize<'de> for CompletionPrompt {
                      token ids",
                 )
             }
-            fn visit_str<E>(self, v: &str) -> std::result::Result<CompletionPrompt, E> {
-                Ok(CompletionPrompt::Text(v.to_owned()))
+            fn visit_borrowed_str<E>(self, v: &'de str) -> std::result::Result<Self::Value, E> {
+                Ok(CompletionPrompt::Text(Cow::Borrowed(v)))
             }
-            fn visit_string<E>(self, v: String) -> std::result::Result<CompletionPrompt, E> {
-                Ok(CompletionPrompt::Text(v))
+            fn visit_str<E>(self, v: &str) -> std::result::Result<Self::Value, E> {
+                Ok(CompletionPrompt::Text(Cow::Owned(v.to_owned())))
+            }
+            fn visit_string<E>(self, v: String) -> std::result::Result<Self::Value, E> {
+                Ok(CompletionPrompt::Text(Cow::Owned(v)))
             }
             fn visit_seq<A: SeqAccess<'de>>(
                 self,
                 mut seq: A,
-            ) -> std::result::Result<CompletionPrompt, A::Error> {
+            ) -> std::result::Result<Self::Value, A::Error> {
                 Ok(match seq.next_element::<First>()? {
                     None => CompletionPrompt::Ids(Vec::new()),
                     Some(First::Id(id)) => CompletionPrompt::Ids(rest(vec![id], seq)?),
@@ -320,15 +339,17 @@ impl<'de> Deserialize<'de> for CompletionPrompt {
             }
         }
 
-        d.deserialize_any(PromptVisitor)
+        d.deserialize_any(PromptVisitor(std::marker::PhantomData))
     }
 }
 
-/// A completions request (the fields that decide its token ids).
+/// A completions request (the fields that decide its token ids). A text prompt without
+/// escapes borrows the body's bytes (`'a`).
 #[derive(Debug, Clone, Deserialize)]
-pub struct CompletionRequest {
+pub struct CompletionRequest<'a> {
     /// The prompt or prompts.
-    pub prompt: CompletionPrompt,
+    #[serde(borrow)]
+    pub prompt: CompletionPrompt<'a>,
     /// Add the tokenizer's special tokens (vLLM's default for completions: true).
     #[serde(default = "default_true")]
     pub add_special_tokens: bool,
@@ -341,9 +362,9 @@ pub struct CompletionRequest {
     pub cache_salt: Option<String>,
 }
 
-impl CompletionRequest {
-    /// Parses a request body.
-    pub fn from_json(body: &[u8]) -> Result<Self> {
+impl<'a> CompletionRequest<'a> {
+    /// Parses a request body; a text prompt borrows from it.
+    pub fn from_json(body: &'a [u8]) -> Result<Self> {
         parse(body)
     }
 }
@@ -352,16 +373,21 @@ impl CompletionRequest {
 mod tests {
     use super::*;
 
-    fn content(json: &str) -> Result<Option<MessageContent>> {
+    fn content(json: &str) -> Result<Option<MessageContent<'static>>> {
         let body = format!(r#"{{"messages": [{{"role": "user"{json}}}]}}"#);
         let mut req = ChatRequest::from_json(body.as_bytes())?;
-        Ok(req.messages.pop().and_then(|m| m.content))
+        Ok(req
+            .messages
+            .pop()
+            .and_then(|m| m.content)
+            .map(MessageContent::into_owned))
     }
 
     #[test]
     fn known_roles_are_borrowed_and_any_other_is_kept_as_sent() {
         let roles = |json: &str| -> Result<Vec<Cow<'static, str>>> {
-            let req = ChatRequest::from_json(format!(r#"{{"messages": {json}}}"#).as_bytes())?;
+            let body = format!(r#"{{"messages": {json}}}"#);
+            let req = ChatRequest::from_json(body.as_bytes())?;
             Ok(req.messages.into_iter().map(|m| m.role).collect())
         };
         let got = roles(
@@ -430,10 +456,10 @@ mod tests {
         IdLists(Vec<Vec<u32>>),
     }
 
-    impl From<UntaggedPrompt> for CompletionPrompt {
+    impl From<UntaggedPrompt> for CompletionPrompt<'static> {
         fn from(p: UntaggedPrompt) -> Self {
             match p {
-                UntaggedPrompt::Text(t) => CompletionPrompt::Text(t),
+                UntaggedPrompt::Text(t) => CompletionPrompt::Text(t.into()),
                 UntaggedPrompt::Ids(v) => CompletionPrompt::Ids(v),
                 UntaggedPrompt::Texts(v) => CompletionPrompt::Texts(v),
                 UntaggedPrompt::IdLists(v) => CompletionPrompt::IdLists(v),
@@ -559,6 +585,28 @@ mod tests {
         ));
         assert!(matches!(content(r#", "content": null"#), Ok(None)));
         assert!(matches!(content(""), Ok(None)));
+        // A text the body holds as it is is borrowed from it; one with escapes is unescaped.
+        let body = r#"{"messages": [{"role": "user", "content": "plain é"},
+                                     {"role": "user", "content": "esc\naped"}]}"#;
+        let req = ChatRequest::from_json(body.as_bytes()).unwrap();
+        let texts: Vec<(bool, &str)> = req
+            .messages
+            .iter()
+            .filter_map(|m| match &m.content {
+                Some(MessageContent::Text(t)) => Some((matches!(t, Cow::Borrowed(_)), t.as_ref())),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(texts, [(true, "plain é"), (false, "esc\naped")]);
+        let prompt = |body: &'static str| CompletionRequest::from_json(body.as_bytes()).unwrap();
+        assert!(matches!(
+            prompt(r#"{"prompt": "plain é"}"#).prompt,
+            CompletionPrompt::Text(Cow::Borrowed("plain é"))
+        ));
+        assert!(matches!(
+            prompt(r#"{"prompt": "a\u0062"}"#).prompt,
+            CompletionPrompt::Text(Cow::Owned(t)) if t == "ab"
+        ));
         for bad in ["1", "true", "{}", r#"{"type": "text"}"#, r#"["unclosed"#] {
             let got = content(&format!(r#", "content": {bad}"#));
             assert!(

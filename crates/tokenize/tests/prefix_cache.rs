@@ -27,7 +27,7 @@ const ALL_DIRS: [&str; 9] = [
     "@tiny",
 ];
 
-fn request(msgs: &[(bool, String)], system: Option<&str>) -> ChatRequest {
+fn request(msgs: &[(bool, String)], system: Option<&str>) -> ChatRequest<'static> {
     let mut m: Vec<ChatMessage> = system
         .map(|s| ChatMessage::text("system", s))
         .into_iter()

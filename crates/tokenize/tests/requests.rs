@@ -221,7 +221,7 @@ fn tokenizers_without_templates_refuse_chat_but_encode_prompts() {
 #[test]
 fn completion_prompt_forms() {
     let tok = Tokenizer::from_dir(tokenizers_dir().join("llama3.1")).unwrap();
-    let parse = |s: &str| CompletionRequest::from_json(s.as_bytes()).unwrap();
+    let parse = |s: &'static str| CompletionRequest::from_json(s.as_bytes()).unwrap();
     let one = tok
         .encode_completion_request(&parse(r#"{"prompt": "Hello world"}"#))
         .unwrap();

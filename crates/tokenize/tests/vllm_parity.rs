@@ -51,14 +51,16 @@ fn real_vllm_tokenize_outputs_match() {
             let got = if let Some(prompt) = req.get("prompt").and_then(Json::as_str) {
                 tok.encode_completion(prompt).unwrap()
             } else {
-                let chat = ChatRequest::from_json(req.to_string().as_bytes()).unwrap();
+                let body = req.to_string();
+                let chat = ChatRequest::from_json(body.as_bytes()).unwrap();
                 tok.encode_chat(&chat).unwrap()
             };
             assert_eq!(got, want, "{run} {}", step["name"]);
             // The request actually served must give the same ids as its /tokenize twin.
             let served = &step["request"];
             if served.get("messages").is_some() {
-                let chat = ChatRequest::from_json(served.to_string().as_bytes()).unwrap();
+                let body = served.to_string();
+                let chat = ChatRequest::from_json(body.as_bytes()).unwrap();
                 assert_eq!(
                     tok.encode_chat(&chat).unwrap(),
                     want,
