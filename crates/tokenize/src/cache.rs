@@ -22,7 +22,8 @@
 //! most recent few are compared. Bounded: total
 //! bytes (text + ids + split points) stay under the capacity, least recently used entries go
 //! first, and each index bucket keeps its most recent entries only. Thread-safe: the lock is
-//! held for index updates only, never while comparing or encoding.
+//! held for index updates only, never while comparing or encoding, and a hit does not take it
+//! (it stamps its entry's last use and counts in atomics; eviction reads the stamps).
 //!
 //! An entry can carry one value a caller computed from its ids ([`PrefixCache::attach`]: the
 //! router keeps the prompt's block digests there), counted against the capacity; a lookup says
@@ -32,6 +33,7 @@
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, OnceLock};
 
 use crate::encoder::Encoder;
@@ -87,6 +89,9 @@ struct Entry {
     /// What a caller computed from `ids` (see [`PrefixCache::attach`]) and its size in bytes;
     /// set under the cache's lock, once.
     attached: OnceLock<(Box<dyn Any + Send + Sync>, usize)>,
+    /// The tick of its last use: never below its key in the LRU order, which eviction moves up
+    /// to it (see [`Inner::evict`]).
+    used: AtomicU64,
 }
 
 impl fmt::Debug for Entry {
@@ -141,14 +146,26 @@ pub struct Reuse {
 #[derive(Debug, Default)]
 struct Inner {
     // ahash, not SipHash: a lookup probes several buckets and entries on every request.
+    /// id -> the entry and its key in `lru`.
     entries: ahash::AHashMap<u64, (Arc<Entry>, u64)>,
-    /// tick -> entry id, oldest first.
+    /// tick -> entry id, oldest first. An entry's key is the tick it was stored or last moved
+    /// at; hits since then only stamp the entry (`Entry::used`).
     lru: BTreeMap<u64, u64>,
     buckets: ahash::AHashMap<u64, Vec<u64>>,
     bytes: usize,
-    tick: u64,
     next_id: u64,
-    stats: CacheStats,
+    evictions: u64,
+}
+
+/// The counters a hit updates without the lock.
+#[derive(Debug, Default)]
+struct Counters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    bytes_encoded_on_hits: AtomicU64,
+    bytes_encoded_on_misses: AtomicU64,
+    bytes_reused: AtomicU64,
+    word_split_hits: AtomicU64,
 }
 
 /// The cache. Share it across threads by reference (it locks inside).
@@ -156,6 +173,9 @@ struct Inner {
 pub struct PrefixCache {
     capacity: usize,
     inner: Mutex<Inner>,
+    /// The clock of last uses: every store and hit takes the next tick, so ticks are unique.
+    tick: AtomicU64,
+    counters: Counters,
 }
 
 impl PrefixCache {
@@ -164,6 +184,8 @@ impl PrefixCache {
         PrefixCache {
             capacity: capacity_bytes,
             inner: Mutex::new(Inner::default()),
+            tick: AtomicU64::new(0),
+            counters: Counters::default(),
         }
     }
 
@@ -175,11 +197,27 @@ impl PrefixCache {
 
     /// Counters so far.
     pub fn stats(&self) -> CacheStats {
-        let g = self.lock();
-        let mut s = g.stats;
-        s.entries = g.entries.len() as u64;
-        s.bytes = g.bytes as u64;
-        s
+        let (entries, bytes, evictions) = {
+            let g = self.lock();
+            (g.entries.len() as u64, g.bytes as u64, g.evictions)
+        };
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CacheStats {
+            hits: get(&c.hits),
+            misses: get(&c.misses),
+            bytes_encoded_on_hits: get(&c.bytes_encoded_on_hits),
+            bytes_encoded_on_misses: get(&c.bytes_encoded_on_misses),
+            bytes_reused: get(&c.bytes_reused),
+            word_split_hits: get(&c.word_split_hits),
+            entries,
+            bytes,
+            evictions,
+        }
+    }
+
+    fn next_tick(&self) -> u64 {
+        self.tick.fetch_add(1, Ordering::Relaxed) + 1
     }
 
     /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work,
@@ -192,7 +230,7 @@ impl PrefixCache {
         let found = self.best_match(text, &keys);
         let restarted = match found {
             Some((entry, id, lcp)) if lcp == text.len() && lcp == entry.text.len() => {
-                self.touch(id, 0, lcp, false);
+                self.touch(&entry, 0, lcp, false);
                 let ids = entry.ids.clone();
                 let here = EntryRef { entry, id };
                 let reuse = Reuse {
@@ -210,7 +248,7 @@ impl PrefixCache {
                     let mut ids = Vec::with_capacity(t + new_ids.len());
                     ids.extend_from_slice(entry.ids.get(..t).unwrap_or_default());
                     ids.extend_from_slice(&new_ids);
-                    self.touch(id, suffix.len(), sp.byte as usize, sp.word);
+                    self.touch(&entry, suffix.len(), sp.byte as usize, sp.word);
                     let reuse = Reuse {
                         from: Some((EntryRef { entry, id }, t)),
                         stored: None,
@@ -222,7 +260,12 @@ impl PrefixCache {
                     let (mut ids, mut splits) = extend(&entry, sp, text, enc)?;
                     ids.shrink_to_fit();
                     splits.shrink_to_fit();
-                    self.touch(id, text.len() - sp.byte as usize, sp.byte as usize, sp.word);
+                    self.touch(
+                        &entry,
+                        text.len() - sp.byte as usize,
+                        sp.byte as usize,
+                        sp.word,
+                    );
                     let superseded = (lcp == entry.text.len()).then_some(id);
                     let from = (EntryRef { entry, id }, sp.token as usize);
                     Some((ids, splits, superseded, from))
@@ -245,6 +288,7 @@ impl PrefixCache {
             splits,
             keys,
             attached: OnceLock::new(),
+            used: AtomicU64::new(0),
         };
         let stored = self.insert(entry, superseded);
         Ok((
@@ -271,59 +315,56 @@ impl PrefixCache {
             return;
         }
         g.bytes += bytes;
-        while g.bytes > self.capacity {
-            let Some((_, victim)) = g.lru.pop_first() else {
-                break;
-            };
-            g.remove(victim);
-            g.stats.evictions += 1;
-        }
+        g.evict(self.capacity);
     }
 
     fn miss(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Vec<SplitPoint>)> {
-        {
-            let mut g = self.lock();
-            g.stats.misses += 1;
-            g.stats.bytes_encoded_on_misses += text.len() as u64;
-        }
+        let c = &self.counters;
+        c.misses.fetch_add(1, Ordering::Relaxed);
+        c.bytes_encoded_on_misses
+            .fetch_add(text.len() as u64, Ordering::Relaxed);
         enc.encode_with_splits(text)
     }
 
-    fn touch(&self, id: u64, encoded: usize, reused: usize, word: bool) {
-        let mut guard = self.lock();
-        let g = &mut *guard;
-        g.stats.hits += 1;
-        g.stats.word_split_hits += u64::from(word);
-        g.stats.bytes_encoded_on_hits += encoded as u64;
-        g.stats.bytes_reused += reused as u64;
-        g.tick += 1;
-        if let Some((_, t)) = g.entries.get_mut(&id) {
-            let old = std::mem::replace(t, g.tick);
-            g.lru.remove(&old);
-            g.lru.insert(g.tick, id);
+    /// Counts a hit on `entry` and stamps its use. Without the lock: every request of a
+    /// conversation's later turns hits, and moving the entry in the LRU order under the lock
+    /// on each hit cost more than the eviction that reads the stamp.
+    fn touch(&self, entry: &Entry, encoded: usize, reused: usize, word: bool) {
+        let c = &self.counters;
+        c.hits.fetch_add(1, Ordering::Relaxed);
+        if word {
+            c.word_split_hits.fetch_add(1, Ordering::Relaxed);
         }
+        c.bytes_encoded_on_hits
+            .fetch_add(encoded as u64, Ordering::Relaxed);
+        c.bytes_reused.fetch_add(reused as u64, Ordering::Relaxed);
+        entry.used.fetch_max(self.next_tick(), Ordering::Relaxed);
     }
 
     /// The entry sharing the longest prefix with `text`, its id and that prefix's length.
     fn best_match(&self, text: &str, keys: &[u64]) -> Option<(Arc<Entry>, u64, usize)> {
         for key in keys.iter().rev() {
-            let candidates: Vec<(u64, Arc<Entry>)> = {
+            // On the stack: a lookup runs on every request.
+            let mut candidates: [Option<(u64, Arc<Entry>)>; CANDIDATES] = Default::default();
+            {
                 let g = self.lock();
                 let Some(bucket) = g.buckets.get(key) else {
                     continue;
                 };
-                bucket
+                let found = bucket
                     .iter()
                     .rev()
                     .take(CANDIDATES)
-                    .filter_map(|id| g.entries.get(id).map(|(e, _)| (*id, e.clone())))
-                    .collect()
-            };
+                    .filter_map(|id| g.entries.get(id).map(|(e, _)| (*id, e.clone())));
+                for (slot, c) in candidates.iter_mut().zip(found) {
+                    *slot = Some(c);
+                }
+            }
             // Most recent first. A later candidate can only share more than the best so far if
             // it agrees at the byte where the best one stopped: one byte read rejects most, so
             // siblings of a long shared prefix are not each scanned to its end.
             let mut best: Option<(Arc<Entry>, u64, usize)> = None;
-            for (id, e) in candidates {
+            for (id, e) in candidates.into_iter().flatten() {
                 if let Some((_, _, l)) = &best {
                     if e.text.as_bytes().get(*l) != text.as_bytes().get(*l) || *l == text.len() {
                         continue;
@@ -352,9 +393,11 @@ impl PrefixCache {
         if let Some(old) = superseded {
             g.remove(old);
         }
-        g.tick += 1;
+        // Not findable before this, so no hit has stamped it yet.
+        let tick = self.next_tick();
+        entry.used.store(tick, Ordering::Relaxed);
         g.next_id += 1;
-        let (id, tick) = (g.next_id, g.tick);
+        let id = g.next_id;
         g.entries.insert(id, (entry.clone(), tick));
         g.lru.insert(tick, id);
         g.bytes += cost;
@@ -365,13 +408,7 @@ impl PrefixCache {
                 bucket.remove(0);
             }
         }
-        while g.bytes > self.capacity {
-            let Some((_, victim)) = g.lru.pop_first() else {
-                break;
-            };
-            g.remove(victim);
-            g.stats.evictions += 1;
-        }
+        g.evict(self.capacity);
         g.entries
             .contains_key(&id)
             .then_some(EntryRef { entry, id })
@@ -379,6 +416,31 @@ impl PrefixCache {
 }
 
 impl Inner {
+    /// Removes least recently used entries until the bytes held fit `capacity`. The first
+    /// key of `lru` is not always the least recently used entry: one used since it got its
+    /// key moves up to its stamp and the next is tried. Every entry's stamp is at least its
+    /// key, so an entry whose key equals its stamp is used no later than any other.
+    fn evict(&mut self, capacity: usize) {
+        while self.bytes > capacity {
+            let Some((key, victim)) = self.lru.pop_first() else {
+                break;
+            };
+            let used = self
+                .entries
+                .get(&victim)
+                .map_or(key, |(e, _)| e.used.load(Ordering::Relaxed));
+            if used > key {
+                self.lru.insert(used, victim);
+                if let Some((_, k)) = self.entries.get_mut(&victim) {
+                    *k = used;
+                }
+                continue;
+            }
+            self.remove(victim);
+            self.evictions += 1;
+        }
+    }
+
     fn remove(&mut self, id: u64) {
         let Some((entry, tick)) = self.entries.remove(&id) else {
             return;
@@ -484,6 +546,56 @@ mod tests {
         let long_a = "x".repeat(1000) + "a";
         let long_b = "x".repeat(1000) + "b";
         assert_eq!(common_prefix(long_a.as_bytes(), long_b.as_bytes()), 1000);
+    }
+
+    /// Stores and hits in a seeded random order, each followed by a check of which entries the
+    /// cache holds against a list kept in order of use: eviction removes exactly the least
+    /// recently used entries, hits (which only stamp their entry) included.
+    #[test]
+    fn eviction_follows_the_order_of_use() {
+        use rand::{Rng, SeedableRng};
+
+        let cache = PrefixCache::new(20_000);
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(17);
+        // Entries by last use, oldest first: (id, cost).
+        let mut model: Vec<(u64, usize)> = Vec::new();
+        let (mut hits, mut evicted) = (0, 0);
+        for step in 0..5_000 {
+            if model.is_empty() || rng.gen_bool(0.4) {
+                let len = rng.gen_range(300..3_000);
+                let entry = Entry {
+                    text: Arc::from(format!("{step:06}").repeat(len / 6).as_str()),
+                    ids: vec![7; len / 4],
+                    splits: Vec::new(),
+                    keys: Vec::new(),
+                    attached: OnceLock::new(),
+                    used: AtomicU64::new(0),
+                };
+                let cost = entry.cost();
+                let stored = cache.insert(entry, None).unwrap();
+                model.push((stored.id, cost));
+                let mut total: usize = model.iter().map(|m| m.1).sum();
+                while total > cache.capacity {
+                    total -= model.remove(0).1;
+                    evicted += 1;
+                }
+            } else {
+                let at = rng.gen_range(0..model.len());
+                let (id, cost) = model.remove(at);
+                let entry = cache.lock().entries.get(&id).unwrap().0.clone();
+                cache.touch(&entry, 0, 0, false);
+                model.push((id, cost));
+                hits += 1;
+            }
+            let mut held: Vec<u64> = cache.lock().entries.keys().copied().collect();
+            let mut want: Vec<u64> = model.iter().map(|m| m.0).collect();
+            held.sort_unstable();
+            want.sort_unstable();
+            assert_eq!(held, want, "step {step}");
+        }
+        let stats = cache.stats();
+        assert_eq!((stats.hits, stats.evictions), (hits, evicted));
+        assert!(evicted > 1_000 && hits > 2_000, "{evicted} {hits}");
     }
 
     #[test]
