@@ -294,7 +294,7 @@ fn message_parts(m: &ChatMessage) -> Vec<Json> {
 /// The fields besides role and content that vLLM keeps, per role.
 fn add_role_fields<'a>(m: &ChatMessage, mut out: Message<'a>) -> Result<Message<'a>> {
     if m.role == "assistant" {
-        if let Some(calls) = m.tool_calls.as_ref().filter(|c| !c.is_null()) {
+        if let Some(calls) = m.tool_calls.as_deref().filter(|c| !c.is_null()) {
             if let Some(calls) = normalize_tool_calls(calls)? {
                 out.rest.insert("tool_calls".into(), calls);
             }
@@ -305,7 +305,7 @@ fn add_role_fields<'a>(m: &ChatMessage, mut out: Message<'a>) -> Result<Message<
                 .insert("reasoning_content".into(), Json::String(r.clone()));
         }
     } else if m.role == "tool" {
-        if let Some(id) = &m.tool_call_id {
+        if let Some(id) = m.tool_call_id.as_deref() {
             out.rest.insert("tool_call_id".into(), id.clone());
         }
         if let Content::Json(Json::Array(items)) = &out.content {
@@ -321,15 +321,17 @@ fn add_role_fields<'a>(m: &ChatMessage, mut out: Message<'a>) -> Result<Message<
             }
         }
     }
-    if let Some(Json::String(name)) = &m.name {
+    if let Some(Json::String(name)) = m.name.as_deref() {
         out.rest.insert("name".into(), Json::String(name.clone()));
     }
-    if let Some(Json::String(task)) = &m.task {
+    if let Some(Json::String(task)) = m.task.as_deref() {
         out.rest.insert("task".into(), Json::String(task.clone()));
     }
     if m.role == "developer" {
-        out.rest
-            .insert("tools".into(), m.tools.clone().unwrap_or(Json::Null));
+        out.rest.insert(
+            "tools".into(),
+            m.tools.as_deref().cloned().unwrap_or(Json::Null),
+        );
     }
     Ok(out)
 }
