@@ -395,8 +395,10 @@ pub(crate) struct Routed {
 /// where it costs the request least (the data port while the request travels upstream).
 pub(crate) fn route(fleet: &Fleet, prepared: Prepared, max_targets: usize) -> Routed {
     let now = fleet.now();
-    let (decision, applied, candidates) = select(&prepared, true, now);
+    // One read of the replica set for the ranking and its targets: each read takes the set's
+    // lock and a reference, shared by every data-plane thread.
     let all = prepared.pool.replicas();
+    let (decision, applied, candidates) = select(&prepared, &all, true, now);
     let targets = decision
         .ranked
         .iter()
@@ -429,7 +431,13 @@ pub(crate) fn route(fleet: &Fleet, prepared: Prepared, max_targets: usize) -> Ro
 /// never under the policy's lock (they would hold up another request's decision).
 pub(crate) fn observe(routed: &Routed) -> Vec<BaselineGuess> {
     let (p, now) = (&routed.prepared, routed.now);
-    count_unique_hit(p, &routed.decision, &routed.candidates, now);
+    count_unique_hit(
+        p,
+        &routed.decision,
+        &routed.candidates,
+        &routed.targets,
+        now,
+    );
     let ctx = p.ctx();
     let mut shadows = p.rules.shadows.lock();
     let mut baselines = Vec::with_capacity(shadows.len());
@@ -536,15 +544,15 @@ fn usable<'r>(
 /// The workers a request may go to, with their load and cached prefix.
 fn candidates(
     pool: &Pool,
+    all: &[Arc<Replica>],
     uses_index: bool,
     hashes: &[BlockHash],
     subset: Option<&[String]>,
 ) -> Vec<Candidate> {
     let matches =
         (uses_index && !hashes.is_empty()).then(|| pool.index.read().longest_prefix(hashes));
-    let all = pool.replicas();
     let mut out = Vec::with_capacity(all.len());
-    for r in usable(&all, subset) {
+    for r in usable(all, subset) {
         let scorable = r.is_scorable();
         for (rank, w) in r.workers.iter().enumerate() {
             let worker = r.worker(rank);
@@ -606,8 +614,19 @@ async fn room(pool: &Pool, subset: Option<&[String]>) -> Result<(), Shed> {
 /// Ranks the pool's workers for a prepared request. With `apply` (a routed request), the
 /// decision's effects on the policy (speculative entries) are recorded under the same lock
 /// hold. The candidates come back for [`observe`].
-fn select(p: &Prepared, apply: bool, now: Duration) -> (Decision, Applied, Vec<Candidate>) {
-    let candidates = candidates(&p.pool, p.rules.uses_index, &p.hashes, p.subset.as_deref());
+fn select(
+    p: &Prepared,
+    all: &[Arc<Replica>],
+    apply: bool,
+    now: Duration,
+) -> (Decision, Applied, Vec<Candidate>) {
+    let candidates = candidates(
+        &p.pool,
+        all,
+        p.rules.uses_index,
+        &p.hashes,
+        p.subset.as_deref(),
+    );
     let ctx = p.ctx();
     let mut policy = p.rules.policy.lock();
     let decision = policy.select(&ctx, &candidates, now);
@@ -622,18 +641,33 @@ fn select(p: &Prepared, apply: bool, now: Duration) -> (Decision, Applied, Vec<C
 
 /// Records, for the chosen replica's scale-in cost, the part of the request's prefix it holds
 /// cached and no other replica does.
-fn count_unique_hit(p: &Prepared, decision: &Decision, candidates: &[Candidate], now: Duration) {
+fn count_unique_hit(
+    p: &Prepared,
+    decision: &Decision,
+    candidates: &[Candidate],
+    targets: &[Target],
+    now: Duration,
+) {
     let Some(chosen) = decision.chosen() else {
         return;
     };
     let Some(span) = kinference_policy::unique_span(candidates, chosen.replica) else {
         return;
     };
-    let (Some(&first), Some(r)) = (
-        p.hashes.get(span.start as usize),
-        p.pool.replica(chosen.replica),
-    ) else {
+    let Some(&first) = p.hashes.get(span.start as usize) else {
         return;
+    };
+    // The chosen replica is the first target (looked up in the set only if it is not).
+    let looked_up;
+    let r = match targets.first().filter(|t| t.replica.id == chosen.replica) {
+        Some(t) => &t.replica,
+        None => match p.pool.replica(chosen.replica) {
+            Some(r) => {
+                looked_up = r;
+                &looked_up
+            }
+            None => return,
+        },
     };
     let tokens = span
         .blocks()
@@ -644,7 +678,7 @@ fn count_unique_hit(p: &Prepared, decision: &Decision, candidates: &[Candidate],
 
 /// The `/debug/explain` answer for a prepared request.
 pub(crate) fn explain(fleet: &Fleet, api: Api, p: &Prepared) -> ExplainResponse {
-    let (decision, _, _) = select(p, false, fleet.now());
+    let (decision, _, _) = select(p, &p.pool.replicas(), false, fleet.now());
     let candidates = decision
         .scores
         .iter()
