@@ -58,6 +58,9 @@
 #      PEERS_DIR=~/.cache/kinference/peers             (one venv per peer; installed when missing)
 #      KINF_FLAGS=           extra `kinference serve` flags, word-split (e.g.
 #                            "--tokenizer-cache-bytes 0")
+#      NGINX_WORKERS=        nginx's worker processes (default: one per CPU the router may use,
+#                            as kinference's data-plane threads; "--threads N" in KINF_FLAGS
+#                            and NGINX_WORKERS=N compare both with N)
 #      PERF_RECORD=          when set, `perf record -F 499 --call-graph dwarf` on each router's
 #                            processes (nginx's workers and the peers' children included)
 #                            during its 32-connection cell (RESULTS/.../TARGET.rN.perf.data; its
@@ -381,7 +384,7 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
     nginx)
       port=$(free_ports 1)
       # Its workers on the router's CPUs.
-      nginx_conf "$OUT/nginx.r$round" "$port" "$("${PIN_ROUTER[@]}" nproc)" "${URLS[@]}"
+      nginx_conf "$OUT/nginx.r$round" "$port" "${NGINX_WORKERS:-$("${PIN_ROUTER[@]}" nproc)}" "${URLS[@]}"
       "${PIN_ROUTER[@]}" "$NGINX" -p "$OUT/nginx.r$round" -c "$OUT/nginx.r$round/nginx.conf" \
         -e "$OUT/nginx.r$round/error.log" >"$OUT/$t.r$round.out" 2>"$OUT/$t.r$round.err" &
       ;;
