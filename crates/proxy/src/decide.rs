@@ -121,7 +121,7 @@ pub(crate) struct Looked<'f, 'b> {
     request: Result<Parsed<'b>, TokenizeError>,
 }
 
-/// A body parsed as its API's request; a chat request's message texts borrow the body.
+/// A body parsed as its API's request; its texts without escapes borrow the body.
 enum Parsed<'b> {
     /// Boxed: a chat request is large next to a completions one.
     Chat(Box<ChatRequest<'b>>),

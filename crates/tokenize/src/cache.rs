@@ -157,7 +157,7 @@ struct Inner {
     evictions: u64,
 }
 
-/// The counters a hit updates without the lock.
+/// The counters of hits and misses, updated without the lock (evictions are counted under it).
 #[derive(Debug, Default)]
 struct Counters {
     hits: AtomicU64,
