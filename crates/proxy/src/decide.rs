@@ -654,21 +654,15 @@ fn count_unique_hit(
     let Some(span) = kinference_policy::unique_span(candidates, chosen.replica) else {
         return;
     };
-    let Some(&first) = p.hashes.get(span.start as usize) else {
+    // The chosen replica is the first target: both come from the one read of the replica set
+    // the ranking's candidates were taken from.
+    let (Some(&first), Some(t)) = (
+        p.hashes.get(span.start as usize),
+        targets.first().filter(|t| t.replica.id == chosen.replica),
+    ) else {
         return;
     };
-    // The chosen replica is the first target (looked up in the set only if it is not).
-    let looked_up;
-    let r = match targets.first().filter(|t| t.replica.id == chosen.replica) {
-        Some(t) => &t.replica,
-        None => match p.pool.replica(chosen.replica) {
-            Some(r) => {
-                looked_up = r;
-                &looked_up
-            }
-            None => return,
-        },
-    };
+    let r = &t.replica;
     let tokens = span
         .blocks()
         .saturating_mul(p.rules.block_size)

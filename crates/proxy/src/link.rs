@@ -881,8 +881,9 @@ mod tests {
             .iter()
             .map(|&ms| now.checked_sub(Duration::from_millis(ms)).unwrap())
             .collect();
+        // The five listed, then the one checked in.
         let mut listed = Vec::new();
-        for &idle_since in &since {
+        for &idle_since in since.iter().chain([&now]) {
             listed.push(Link {
                 tcp: TcpStream::connect(addr).await.unwrap(),
                 buf: BytesMut::new(),
@@ -890,13 +891,8 @@ mod tests {
                 idle_since,
             });
         }
+        let fresh = listed.pop().unwrap();
         links.idle.lock().insert(authority.clone(), listed);
-        let fresh = Link {
-            tcp: TcpStream::connect(addr).await.unwrap(),
-            buf: BytesMut::new(),
-            head: Vec::new(),
-            idle_since: now,
-        };
         links.checkin(fresh, authority.clone());
         let idle = links.idle.lock();
         let kept: Vec<Instant> = idle[&authority].iter().map(|l| l.idle_since).collect();

@@ -326,9 +326,9 @@ impl PrefixCache {
         enc.encode_with_splits(text)
     }
 
-    /// Counts a hit on `entry` and stamps its use. Without the lock: every request of a
-    /// conversation's later turns hits, and moving the entry in the LRU order under the lock
-    /// on each hit cost more than the eviction that reads the stamp.
+    /// Counts a hit on `entry` and stamps its use. Without the lock, which every data-plane
+    /// thread took on every hit to move the entry in the LRU order: 2.4 % of the router's CPU
+    /// per chat request (BENCHMARKS.md, 2026-12-07, late morning).
     fn touch(&self, entry: &Entry, encoded: usize, reused: usize, word: bool) {
         let c = &self.counters;
         c.hits.fetch_add(1, Ordering::Relaxed);
@@ -425,16 +425,13 @@ impl Inner {
             let Some((key, victim)) = self.lru.pop_first() else {
                 break;
             };
-            let used = self
-                .entries
-                .get(&victim)
-                .map_or(key, |(e, _)| e.used.load(Ordering::Relaxed));
-            if used > key {
-                self.lru.insert(used, victim);
-                if let Some((_, k)) = self.entries.get_mut(&victim) {
+            if let Some((e, k)) = self.entries.get_mut(&victim) {
+                let used = e.used.load(Ordering::Relaxed);
+                if used > key {
                     *k = used;
+                    self.lru.insert(used, victim);
+                    continue;
                 }
-                continue;
             }
             self.remove(victim);
             self.evictions += 1;
