@@ -560,6 +560,14 @@ mod tests {
         assert!((2_000..18_000).contains(&accepted), "{accepted}");
     }
 
+    /// The rarely sent fields stay boxed: the parse moves every message again as the list of
+    /// messages grows (440 bytes a message with them inline).
+    #[test]
+    fn a_chat_message_stays_small() {
+        let size = std::mem::size_of::<ChatMessage<'static>>();
+        assert!(size <= 128, "{size} bytes");
+    }
+
     #[test]
     fn content_is_a_string_a_list_or_nothing() {
         let text = |c| match c {
