@@ -207,7 +207,7 @@ pub(crate) fn prepare_looked(
                 })
                 .inc();
             tracing::debug!(pool = %pool.name, kind = e.metric_label(), "routing by load only: the prompt could not be tokenized");
-            (Vec::new(), Reuse::default(), Some(e.to_string()))
+            (Arc::default(), Reuse::default(), Some(e.to_string()))
         }
     };
     let warms = rules.config.warm.mode != WarmMode::Off && !peek;
@@ -234,21 +234,25 @@ pub(crate) fn prepare_looked(
             pool.ticket()
         },
         subset: None,
-        warm: warms.then_some(WarmSource {
-            tokens,
+        warm: warms.then(|| WarmSource {
+            tokens: Arc::unwrap_or_clone(tokens),
             cache_salt: salt,
         }),
     })
 }
 
-fn tokenize(rules: &Rules, request: &Parsed<'_>) -> Result<(Vec<u32>, Reuse), TokenizeError> {
+/// The prompt's ids, shared with the prefix cache's entry where it held them.
+fn tokenize(rules: &Rules, request: &Parsed<'_>) -> Result<(Arc<Vec<u32>>, Reuse), TokenizeError> {
     match request {
         Parsed::Chat(req) => rules.tokenizer.encode_chat_reuse(req),
         Parsed::Completions(req) => {
             // vLLM runs each prompt of a batch as its own request on the replica that got the
             // batch; the first prompt decides where the batch goes.
             let (prompts, reuse) = rules.tokenizer.encode_completion_request_reuse(req)?;
-            Ok((prompts.into_iter().next().unwrap_or_default(), reuse))
+            Ok((
+                Arc::new(prompts.into_iter().next().unwrap_or_default()),
+                reuse,
+            ))
         }
     }
 }
@@ -268,12 +272,15 @@ fn hash(
         cache_salt,
         ..RequestExtras::default()
     };
-    let digests = if extras.is_empty() {
-        chain_digests(&rules.hasher, &rules.tokenizer, tokens, reuse)
+    if extras.is_empty() {
+        chain_hashes(&rules.hasher, &rules.tokenizer, tokens, reuse)
     } else {
-        memo_digests(&rules.hasher, tokens, &extras)
-    };
-    digests.iter().map(|d| d.event_hash()).collect()
+        event_hashes(&memo_digests(&rules.hasher, tokens, &extras))
+    }
+}
+
+fn event_hashes(digests: &[BlockDigest]) -> Vec<BlockHash> {
+    digests.iter().map(BlockDigest::event_hash).collect()
 }
 
 fn memo_digests(hasher: &BlockHasher, tokens: &[u32], extras: &RequestExtras) -> Vec<BlockDigest> {
@@ -283,15 +290,16 @@ fn memo_digests(hasher: &BlockHasher, tokens: &[u32], extras: &RequestExtras) ->
     })
 }
 
-/// The digests of a prompt without extra keys, taking those of the blocks whose ids came from
-/// a prefix-cache entry from that entry ([`ChainDigests`]), and leaving the prompt's own with
-/// the entry the cache stored for it: a conversation's new turn hashes only its new blocks.
-fn chain_digests(
+/// The block hashes of a prompt without extra keys, taking the digests of the blocks whose ids
+/// came from a prefix-cache entry from that entry ([`ChainDigests`]), and leaving the prompt's
+/// own with the entry the cache stored for it: a conversation's new turn hashes only its new
+/// blocks, and a prompt the cache held whole copies no digest.
+fn chain_hashes(
     hasher: &BlockHasher,
     tokenizer: &Tokenizer,
     tokens: &[u32],
     reuse: &Reuse,
-) -> Vec<BlockDigest> {
+) -> Vec<BlockHash> {
     let bs = hasher.block_size();
     let key = HasherKey::of(hasher);
     // The special tokens in front of the entry's ids (a completions prompt's BOS) are part of
@@ -301,30 +309,45 @@ fn chain_digests(
         let chain = entry.attached()?.downcast_ref::<ChainDigests>()?;
         (chain.key == key && chain.front == front).then_some((chain, reuse.at + *ids))
     });
+    // Where the prompt's digests are to be kept: a stored entry without any yet.
+    let store = reuse.stored.as_ref().filter(|s| s.attached().is_none());
     let extras = RequestExtras::default();
-    let digests = match reused {
+    let (hashes, digests) = match reused {
         Some((chain, ids)) if ids >= bs && !chain.digests.is_empty() => {
             // Blocks wholly inside the reused ids have the entry's tokens and parents.
             let k = (ids / bs).min(chain.digests.len()).min(tokens.len() / bs);
-            let mut d = chain.digests.get(..k).unwrap_or_default().to_vec();
-            let parent = d.last().copied();
-            d.extend(hasher.hash_blocks_from(parent.as_ref(), tokens, k, &extras));
-            d
+            let kept = chain.digests.get(..k).unwrap_or_default();
+            let new = hasher.hash_blocks_from(kept.last(), tokens, k, &extras);
+            let hashes = kept
+                .iter()
+                .chain(&new)
+                .map(BlockDigest::event_hash)
+                .collect();
+            let digests = store.map(|_| {
+                let mut d = Vec::with_capacity(k + new.len());
+                d.extend_from_slice(kept);
+                d.extend_from_slice(&new);
+                d
+            });
+            (hashes, digests)
         }
-        _ => memo_digests(hasher, tokens, &extras),
+        _ => {
+            let d = memo_digests(hasher, tokens, &extras);
+            (event_hashes(&d), Some(d))
+        }
     };
-    if let Some(stored) = &reuse.stored {
-        if stored.attached().is_none() && !digests.is_empty() {
+    if let (Some(stored), Some(digests)) = (store, digests) {
+        if !digests.is_empty() {
             let bytes = digests.len() * std::mem::size_of::<BlockDigest>() + 64;
             let chain = ChainDigests {
                 key,
                 front: front.to_vec(),
-                digests: digests.clone(),
+                digests,
             };
             tokenizer.attach(stored, Box::new(chain), bytes);
         }
     }
-    digests
+    hashes
 }
 
 /// What makes two hashers give the same digests to the same blocks without extra keys: the
@@ -836,9 +859,18 @@ mod tests {
                     {
                         reused_from_entries += 1;
                     }
-                    let got = chain_digests(h, &tokenizer, &tokens, &reuse);
+                    let got = chain_hashes(h, &tokenizer, &tokens, &reuse);
                     let want = h.hash_blocks(&tokens, &RequestExtras::default());
-                    assert_eq!(got, want, "conversation {conv} turn {turn}");
+                    assert_eq!(got, event_hashes(&want), "conversation {conv} turn {turn}");
+                    // What the entry now keeps for the next turn: this prompt's own digests.
+                    let kept = reuse
+                        .stored
+                        .as_ref()
+                        .and_then(|e| e.attached()?.downcast_ref::<ChainDigests>())
+                        .filter(|c| c.key == HasherKey::of(h));
+                    if let Some(c) = kept {
+                        assert_eq!(c.digests, want, "conversation {conv} turn {turn}");
+                    }
                 }
                 messages.push(serde_json::json!({"role": "assistant", "content": format!("reply {turn} ").repeat(30)}));
             }
@@ -893,9 +925,9 @@ mod tests {
                     reused_from_entries += 1;
                     with_bos += usize::from(reuse.at > 0);
                 }
-                let got = chain_digests(h, &tokenizer, tokens, &reuse);
+                let got = chain_hashes(h, &tokenizer, tokens, &reuse);
                 let want = h.hash_blocks(tokens, &RequestExtras::default());
-                assert_eq!(got, want, "round {round} growth {grow}");
+                assert_eq!(got, event_hashes(&want), "round {round} growth {grow}");
             }
         }
         assert!(

@@ -140,20 +140,20 @@ fn bench(c: &mut Criterion) {
                     tok.render_chat(&fresh(if n.get().is_multiple_of(2) { &b1 } else { &b2 }))
                         .unwrap()
                 },
-                |text| tok.encode_text(&text, false).unwrap(),
+                |text| tok.encode_text_reuse(&text, false).unwrap(),
                 BatchSize::LargeInput,
             )
         });
         g.bench_function("encode_chat_cached", |b| {
             b.iter_batched(
                 || fresh(if n.get().is_multiple_of(2) { &b1 } else { &b2 }),
-                |req| tok.encode_chat(&req).unwrap(),
+                |req| tok.encode_chat_reuse(&req).unwrap(),
                 BatchSize::LargeInput,
             )
         });
         g.bench_function("render_chat", |b| b.iter(|| tok.render_chat(&b1).unwrap()));
         g.bench_function("encode_chat_exact_repeat", |b| {
-            b.iter(|| tok.encode_chat(&b1).unwrap())
+            b.iter(|| tok.encode_chat_reuse(&b1).unwrap())
         });
         g.sample_size(10);
         g.bench_function("encode_text_uncached", |b| {

@@ -82,7 +82,8 @@ pub struct CacheStats {
 
 struct Entry {
     text: Arc<str>,
-    ids: Vec<u32>,
+    /// Shared with the callers its text was asked of: a hit on the whole text copies none.
+    ids: Arc<Vec<u32>>,
     splits: Vec<SplitPoint>,
     /// Its index keys (see [`level_keys`]), kept so eviction need not recompute them.
     keys: Vec<u64>,
@@ -222,9 +223,9 @@ impl PrefixCache {
 
     /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work,
     /// and which entries it reused and stored.
-    pub(crate) fn encode_reuse(&self, enc: &Encoder, text: &str) -> Result<(Vec<u32>, Reuse)> {
+    pub(crate) fn encode_reuse(&self, enc: &Encoder, text: &str) -> Result<(Arc<Vec<u32>>, Reuse)> {
         if !enc.split_safe || text.len() < MIN_LEVEL || self.capacity == 0 {
-            return Ok((enc.encode(text, false)?, Reuse::default()));
+            return Ok((Arc::new(enc.encode(text, false)?), Reuse::default()));
         }
         let keys = level_keys(text);
         let found = self.best_match(text, &keys);
@@ -254,7 +255,7 @@ impl PrefixCache {
                         stored: None,
                         at: 0,
                     };
-                    return Ok((ids, reuse));
+                    return Ok((Arc::new(ids), reuse));
                 }
                 Some(sp) => {
                     let (mut ids, mut splits) = extend(&entry, sp, text, enc)?;
@@ -281,6 +282,7 @@ impl PrefixCache {
                 (ids, splits, None, None)
             }
         };
+        let ids = Arc::new(ids);
         let out = ids.clone();
         let entry = Entry {
             text: Arc::from(text),
@@ -562,7 +564,7 @@ mod tests {
                 let len = rng.gen_range(300..3_000);
                 let entry = Entry {
                     text: Arc::from(format!("{step:06}").repeat(len / 6).as_str()),
-                    ids: vec![7; len / 4],
+                    ids: Arc::new(vec![7; len / 4]),
                     splits: Vec::new(),
                     keys: Vec::new(),
                     attached: OnceLock::new(),

@@ -32,6 +32,7 @@ pub mod value;
 
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::Arc;
 
 pub use cache::{CacheStats, EntryRef, PrefixCache, Reuse};
 pub use content_format::ContentFormat;
@@ -202,25 +203,30 @@ impl Tokenizer {
 
     /// `tokenizer.encode(text, add_special_tokens=...)`, through the prefix cache.
     pub fn encode_text(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        Ok(self.encode_text_reuse(text, add_special_tokens)?.0)
+        Ok(Arc::unwrap_or_clone(
+            self.encode_text_reuse(text, add_special_tokens)?.0,
+        ))
     }
 
     /// [`Tokenizer::encode_text`], with the prefix cache's [`Reuse`] (its `at` counts the
     /// special tokens added in front of the cached ids). Empty when the special tokens could not
-    /// be added around cached ids.
+    /// be added around cached ids. The ids may be the cache entry's own (shared, not copied).
     pub fn encode_text_reuse(
         &self,
         text: &str,
         add_special_tokens: bool,
-    ) -> Result<(Vec<u32>, Reuse)> {
+    ) -> Result<(Arc<Vec<u32>>, Reuse)> {
         let (core, reuse) = self.cache.encode_reuse(&self.encoder, text)?;
         if !add_special_tokens {
             return Ok((core, reuse));
         }
         let at = self.encoder.special_prefix_len();
-        match (self.encoder.add_special_affixes(core), at) {
-            (Some(ids), Some(at)) => Ok((ids, Reuse { at, ..reuse })),
-            _ => Ok((self.encoder.encode(text, true)?, Reuse::default())),
+        match (
+            self.encoder.add_special_affixes(Arc::unwrap_or_clone(core)),
+            at,
+        ) {
+            (Some(ids), Some(at)) => Ok((Arc::new(ids), Reuse { at, ..reuse })),
+            _ => Ok((Arc::new(self.encoder.encode(text, true)?), Reuse::default())),
         }
     }
 
@@ -246,7 +252,7 @@ impl Tokenizer {
             CompletionPrompt::Text(t) => {
                 let (ids, r) = self.encode_text_reuse(t, req.add_special_tokens)?;
                 reuse = r;
-                vec![ids]
+                vec![Arc::unwrap_or_clone(ids)]
             }
             CompletionPrompt::Ids(ids) => vec![ids.clone()],
             CompletionPrompt::Texts(ts) => ts
@@ -324,14 +330,14 @@ impl Tokenizer {
 
     /// The token ids vLLM computes (and hashes) for a chat request.
     pub fn encode_chat(&self, req: &ChatRequest) -> Result<Vec<u32>> {
-        Ok(self.encode_chat_reuse(req)?.0)
+        Ok(Arc::unwrap_or_clone(self.encode_chat_reuse(req)?.0))
     }
 
     /// [`Tokenizer::encode_chat`], with the prefix cache's [`Reuse`]: the ids from `at` on
     /// are the cached entries' ids, so what a caller attaches to `stored`
     /// ([`Tokenizer::attach`]) it can read back from a later request's `from`, for as many ids
-    /// as `from` says.
-    pub fn encode_chat_reuse(&self, req: &ChatRequest) -> Result<(Vec<u32>, Reuse)> {
+    /// as `from` says. The ids may be the cache entry's own (shared, not copied).
+    pub fn encode_chat_reuse(&self, req: &ChatRequest) -> Result<(Arc<Vec<u32>>, Reuse)> {
         let text = self.render_chat(req)?;
         let (ids, reuse) = self.encode_text_reuse(&text, req.add_special_tokens)?;
         if ids.is_empty() {

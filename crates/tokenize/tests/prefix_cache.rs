@@ -8,6 +8,8 @@
 
 mod common;
 
+use std::sync::Arc;
+
 use kinference_tokenize::{ChatMessage, ChatRequest};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -259,7 +261,7 @@ fn attachments_come_back_with_the_ids_they_were_made_from() {
     assert!(reuse1.from.is_none());
     let stored = reuse1.stored.expect("a long text is stored");
     let before = t.cache_stats().bytes;
-    t.attach(&stored, Box::new(ids1.clone()), 10_000);
+    t.attach(&stored, Box::new(ids1.to_vec()), 10_000);
     assert_eq!(t.cache_stats().bytes, before + 10_000);
     // A second attachment is refused: the first stays.
     t.attach(&stored, Box::new(Vec::<u32>::new()), 5);
@@ -279,22 +281,24 @@ fn attachments_come_back_with_the_ids_they_were_made_from() {
         .attached()
         .and_then(|a| a.downcast_ref::<Vec<u32>>())
         .unwrap();
-    assert_eq!(attached, &ids1);
+    assert_eq!(attached, &*ids1);
     assert!(n > 0 && n <= ids1.len());
     assert_eq!(ids2[..n], ids1[..n]);
     assert_eq!(
-        ids2,
+        *ids2,
         t.encode_uncached(&t.render_chat(&next).unwrap(), false)
             .unwrap()
     );
 
     // The second turn's entry took the place of the first's (it extends it); repeating the
-    // second turn exactly hands that entry back, whole, as both `from` and `stored`.
+    // second turn exactly hands that entry back, whole, as both `from` and `stored`, and its
+    // ids are the ones the second turn got (shared, not copied).
     let stored2 = reuse2.stored.unwrap();
     t.attach(&stored2, Box::new(7u64), 100);
     let (ids3, reuse3) = t.encode_chat_reuse(&next).unwrap();
     let (entry, n) = reuse3.from.unwrap();
     assert_eq!((ids3.len(), n), (ids2.len(), ids2.len()));
+    assert!(Arc::ptr_eq(&ids3, &ids2));
     assert_eq!(
         entry.attached().and_then(|a| a.downcast_ref::<u64>()),
         Some(&7)
