@@ -31,6 +31,7 @@
 //! neither tokenized nor hashed again up to where it restarted.
 
 use std::any::Any;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -81,7 +82,8 @@ pub struct CacheStats {
 }
 
 struct Entry {
-    text: Arc<str>,
+    /// As the caller gave it (a rendered chat is not copied); its capacity is what it costs.
+    text: String,
     /// Shared with the callers its text was asked of: a hit on the whole text copies none.
     ids: Arc<Vec<u32>>,
     splits: Vec<SplitPoint>,
@@ -107,7 +109,7 @@ impl fmt::Debug for Entry {
 
 impl Entry {
     fn cost(&self) -> usize {
-        self.text.len()
+        self.text.capacity()
             + self.ids.len() * 4
             + std::mem::size_of_val(self.splits.as_slice())
             + self.attached.get().map_or(0, |a| a.1)
@@ -223,7 +225,13 @@ impl PrefixCache {
 
     /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work,
     /// and which entries it reused and stored.
-    pub(crate) fn encode_reuse(&self, enc: &Encoder, text: &str) -> Result<(Arc<Vec<u32>>, Reuse)> {
+    /// A text given owned becomes the new entry's without a copy.
+    pub(crate) fn encode_reuse(
+        &self,
+        enc: &Encoder,
+        owned: Cow<'_, str>,
+    ) -> Result<(Arc<Vec<u32>>, Reuse)> {
+        let text: &str = &owned;
         if !enc.split_safe || text.len() < MIN_LEVEL || self.capacity == 0 {
             return Ok((Arc::new(enc.encode(text, false)?), Reuse::default()));
         }
@@ -285,7 +293,7 @@ impl PrefixCache {
         let ids = Arc::new(ids);
         let out = ids.clone();
         let entry = Entry {
-            text: Arc::from(text),
+            text: owned.into_owned(),
             ids,
             splits,
             keys,
@@ -537,6 +545,29 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 mod tests {
     use super::*;
 
+    /// A text handed over owned is the new entry's own text (a long conversation's rendered
+    /// chat is not copied to be stored); a borrowed one is copied.
+    #[test]
+    fn an_owned_text_is_stored_without_a_copy() {
+        let path = kinference_testkit::shared("data/tokenizers/qwen3/tokenizer.json");
+        let enc = Encoder::from_file(&path).unwrap();
+        let cache = PrefixCache::new(1 << 20);
+        let stored_text = |reuse: &Reuse| reuse.stored.as_ref().unwrap().entry.text.as_ptr();
+        let owned = "The kettle sings on the stove. ".repeat(40);
+        let at = owned.as_ptr();
+        let (ids, reuse) = cache.encode_reuse(&enc, Cow::Owned(owned)).unwrap();
+        assert_eq!(stored_text(&reuse), at);
+        let borrowed = "A different text about rain on the roof. ".repeat(40);
+        let (other, reuse) = cache.encode_reuse(&enc, Cow::Borrowed(&borrowed)).unwrap();
+        assert_ne!(stored_text(&reuse), borrowed.as_ptr());
+        assert_eq!(
+            *ids,
+            enc.encode(&"The kettle sings on the stove. ".repeat(40), false)
+                .unwrap()
+        );
+        assert_eq!(*other, enc.encode(&borrowed, false).unwrap());
+    }
+
     #[test]
     fn common_prefix_respects_char_boundaries() {
         assert_eq!(common_prefix("héllo".as_bytes(), "hèllo".as_bytes()), 1);
@@ -563,7 +594,7 @@ mod tests {
             if model.is_empty() || rng.gen_bool(0.4) {
                 let len = rng.gen_range(300..3_000);
                 let entry = Entry {
-                    text: Arc::from(format!("{step:06}").repeat(len / 6).as_str()),
+                    text: format!("{step:06}").repeat(len / 6),
                     ids: Arc::new(vec![7; len / 4]),
                     splits: Vec::new(),
                     keys: Vec::new(),

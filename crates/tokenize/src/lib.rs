@@ -30,6 +30,7 @@ pub mod request;
 pub mod template;
 pub mod value;
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::sync::Arc;
@@ -216,17 +217,32 @@ impl Tokenizer {
         text: &str,
         add_special_tokens: bool,
     ) -> Result<(Arc<Vec<u32>>, Reuse)> {
-        let (core, reuse) = self.cache.encode_reuse(&self.encoder, text)?;
+        self.encode_cow_reuse(Cow::Borrowed(text), add_special_tokens)
+    }
+
+    /// [`Tokenizer::encode_text_reuse`] of a text the cache may keep as it is when it is owned
+    /// (a rendered chat: a long conversation's text is not copied again to be stored).
+    fn encode_cow_reuse(
+        &self,
+        text: Cow<'_, str>,
+        add_special_tokens: bool,
+    ) -> Result<(Arc<Vec<u32>>, Reuse)> {
         if !add_special_tokens {
-            return Ok((core, reuse));
+            return self.cache.encode_reuse(&self.encoder, text);
         }
+        let (core, reuse) = self
+            .cache
+            .encode_reuse(&self.encoder, Cow::Borrowed(&text))?;
         let at = self.encoder.special_prefix_len();
         match (
             self.encoder.add_special_affixes(Arc::unwrap_or_clone(core)),
             at,
         ) {
             (Some(ids), Some(at)) => Ok((Arc::new(ids), Reuse { at, ..reuse })),
-            _ => Ok((Arc::new(self.encoder.encode(text, true)?), Reuse::default())),
+            _ => Ok((
+                Arc::new(self.encoder.encode(&text, true)?),
+                Reuse::default(),
+            )),
         }
     }
 
@@ -339,7 +355,7 @@ impl Tokenizer {
     /// as `from` says. The ids may be the cache entry's own (shared, not copied).
     pub fn encode_chat_reuse(&self, req: &ChatRequest) -> Result<(Arc<Vec<u32>>, Reuse)> {
         let text = self.render_chat(req)?;
-        let (ids, reuse) = self.encode_text_reuse(&text, req.add_special_tokens)?;
+        let (ids, reuse) = self.encode_cow_reuse(Cow::Owned(text), req.add_special_tokens)?;
         if ids.is_empty() {
             return Err(TokenizeError::InvalidRequest(
                 "the rendered prompt is empty".into(),
