@@ -29,6 +29,9 @@
 //! router keeps the prompt's block digests there), counted against the capacity; a lookup says
 //! which entry's ids it reused and how many ([`Reuse`]), so a new turn of a conversation is
 //! neither tokenized nor hashed again up to where it restarted.
+//!
+//! Copies: an entry's ids are shared with the callers that get them (a text the cache holds
+//! whole copies none), and a text handed over owned (a rendered chat) is stored as it is.
 
 use std::any::Any;
 use std::borrow::Cow;
@@ -223,9 +226,9 @@ impl PrefixCache {
         self.tick.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Ids of `text` without special tokens (= `enc.encode(text, false)`), reusing cached work,
-    /// and which entries it reused and stored.
-    /// A text given owned becomes the new entry's without a copy.
+    /// Ids of the text without special tokens (= `enc.encode(text, false)`), reusing cached
+    /// work, and which entries it reused and stored. A text given owned becomes the new entry's
+    /// without a copy.
     pub(crate) fn encode_reuse(
         &self,
         enc: &Encoder,
