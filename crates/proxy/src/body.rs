@@ -9,7 +9,6 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::header;
 use http::request::Parts;
 use http::uri::PathAndQuery;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
@@ -56,12 +55,9 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let (parts, body) = req.into_parts();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    // The declared length, read off the body (both HTTP/1 paths size a body by its
+    // `Content-Length`; the data port's own path leaves the header map empty).
+    if body.size_hint().lower() > limit as u64 {
         return Err(RequestError::TooLarge { limit });
     }
     let start = Instant::now();

@@ -47,6 +47,7 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::{Limits, Timeouts};
 use crate::h1::{self, ReqBody};
+use crate::heads::WireHeaders;
 use crate::limits::{LimitMetrics, PortLabel};
 
 /// What a port serves: a request in, its response out. The admin port serves an axum router;
@@ -484,7 +485,10 @@ impl<A: App> Connection<A> {
             let active = Active::begin(&tracked);
             let fut = app.call(req.map(ReqBody::Hyper));
             async move {
-                let resp = fut.await;
+                let mut resp = fut.await;
+                if let Some(wire) = resp.extensions_mut().remove::<WireHeaders>() {
+                    wire.into_map(resp.headers_mut());
+                }
                 // Not boxed again: hyper takes the wrapper as the body type.
                 Ok::<_, std::convert::Infallible>(resp.map(|inner| Tracked {
                     inner,

@@ -20,7 +20,7 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderMap;
+use http::HeaderValue;
 #[cfg(doc)]
 use kinference_policy::Shadow;
 use kinference_policy::{Applied, Candidate, Decision, RequestCtx};
@@ -33,6 +33,7 @@ use crate::api::{CandidateScore, ExplainResponse, Health};
 use crate::config::WarmMode;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, Pool, Replica, Rules};
+use crate::heads::HeaderLookup;
 use crate::limits::{Admitted, Shed, ShedLabels};
 use crate::metrics::{KindLabel, PoolKind, RequestLabels};
 use crate::savings::BaselineGuess;
@@ -169,7 +170,7 @@ pub(crate) fn prepare(
     fleet: &Fleet,
     api: Api,
     body: &[u8],
-    headers: &HeaderMap,
+    headers: &impl HeaderLookup,
     peek: bool,
 ) -> Result<Prepared, RequestError> {
     let looked = lookup(fleet, api, body)?;
@@ -180,7 +181,7 @@ pub(crate) fn prepare(
 pub(crate) fn prepare_looked(
     fleet: &Fleet,
     looked: Looked<'_, '_>,
-    headers: &HeaderMap,
+    headers: &impl HeaderLookup,
     peek: bool,
 ) -> Result<Prepared, RequestError> {
     let Looked {
@@ -217,9 +218,9 @@ pub(crate) fn prepare_looked(
     let session = rules
         .session_header
         .as_ref()
-        .and_then(|h| headers.get(h))
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
+        .and_then(|h| headers.header(h.as_str()))
+        .and_then(|v| HeaderValue::from_bytes(v).ok())
+        .and_then(|v| v.to_str().ok().map(str::to_owned));
     Ok(Prepared {
         pool: pool.clone(),
         rules,

@@ -26,22 +26,21 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::uri::PathAndQuery;
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
-use http_body_util::Full;
 use prometheus_client::metrics::histogram::Histogram;
 use tokio::time::{Instant, Sleep};
 
 use crate::decide::Target;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Pool, Replica};
+use crate::heads::Headers;
 use crate::limits::Admitted;
-use crate::link::LinkBody;
+use crate::link::{LinkBody, Reply};
 use crate::metrics::{PoolKind, ReplicaKind, RouteLabel};
 use crate::savings::BaselineGuess;
-use crate::upstream::{build_request, error_chain, response_headers, Upstream, UriError};
+use crate::upstream::{client_headers, error_chain, Outgoing, SendError, Upstream};
 use crate::usage::UsageScanner;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
@@ -56,7 +55,7 @@ pub(crate) struct Forward {
     pub accounting: Accounting,
     pub method: Method,
     pub path_and_query: PathAndQuery,
-    pub headers: HeaderMap,
+    pub headers: Headers,
     pub body: Bytes,
     pub start: Instant,
     /// The request's place at its pool's gate, held until the response ends.
@@ -164,21 +163,21 @@ async fn attempt(
     more: bool,
     failures: &mut Vec<String>,
     written: impl FnOnce(),
-) -> Result<Option<(InFlight, http::Response<LinkBody>)>, RequestError> {
+) -> Result<Option<(InFlight, Reply)>, RequestError> {
     let settings = &fleet.settings;
     let prefill = req.accounting.prefill(t);
     let guard = InFlight::new(t.replica.clone(), t.rank, prefill, fleet.changed.clone());
-    let upstream_req = match upstream_request(req, t) {
-        Ok(r) => r,
-        Err(e) => {
-            failures.push(format!("{}: {e}", t.replica.url()));
-            return Ok(None);
-        }
+    let out = Outgoing {
+        method: &req.method,
+        path_and_query: &req.path_and_query,
+        headers: &req.headers,
+        body: req.body.clone(),
+        rank: t.pin_rank.then_some(t.rank),
     };
     let first_byte = settings.timeouts.first_byte();
     let sent = tokio::time::timeout(
         first_byte,
-        upstream.send(&t.replica.endpoint, upstream_req, written),
+        upstream.send(&t.replica.endpoint, &out, written),
     )
     .await;
     match sent {
@@ -189,13 +188,17 @@ async fn attempt(
                 timeout_ms: settings.timeouts.first_byte_ms,
             })
         }
-        Ok(Err(e)) if e.is_connect() => {
+        Ok(Err(SendError::Uri(e))) => {
+            failures.push(format!("{}: {e}", t.replica.url()));
+            Ok(None)
+        }
+        Ok(Err(SendError::Link(e))) if e.is_connect() => {
             let msg = error_chain(&e);
             connect_failed(fleet, req, t, more, &msg);
             failures.push(format!("{}: {msg}", t.replica.url()));
             Ok(None)
         }
-        Ok(Err(e)) => {
+        Ok(Err(SendError::Link(e))) => {
             // Sent (at least partly): the replica may have started on it, so no retry.
             fail_count(fleet, &t.replica, "request");
             Err(RequestError::Upstream {
@@ -217,18 +220,6 @@ async fn attempt(
             Ok(Some((guard, resp)))
         }
     }
-}
-
-/// The request as `t`'s replica gets it (its endpoint, and its DP rank when pinned).
-fn upstream_request(req: &Forward, t: &Target) -> Result<http::Request<Full<Bytes>>, UriError> {
-    build_request(
-        &req.method,
-        &req.path_and_query,
-        &req.headers,
-        req.body.clone(),
-        &t.replica.endpoint,
-        t.pin_rank.then_some(t.rank),
-    )
 }
 
 /// `t`'s replica refused the connection: counted, and marked down (once) with `msg`.
@@ -274,12 +265,14 @@ fn respond(
     req: Forward,
     t: &Target,
     guard: InFlight,
-    resp: http::Response<LinkBody>,
+    resp: Reply,
     baselines: Vec<BaselineGuess>,
 ) -> Response {
-    let (parts, incoming) = resp.into_parts();
-    let status = parts.status;
-    let mut headers = response_headers(parts.headers);
+    let Reply {
+        status,
+        headers,
+        body: incoming,
+    } = resp;
     let m = &fleet.metrics;
     m.replica_requests(
         &t.replica.series,
@@ -289,10 +282,20 @@ fn respond(
     )
     .inc();
     let (first_byte, duration) = m.replica_timing(&t.replica.series, t.replica.url(), req.route);
-    if fleet.settings.expose_endpoint_header {
-        endpoint_headers(&mut headers, t);
-    }
-    let sse = is_sse(&headers);
+    let (wire, sse) = if fleet.settings.expose_endpoint_header {
+        let rank = t.rank.to_string();
+        let endpoint = t.replica.endpoint.authority.as_str().as_bytes();
+        let extra = [
+            ("x-kinference-endpoint", endpoint),
+            ("x-kinference-dp-rank", rank.as_bytes()),
+        ];
+        client_headers(&headers, &extra)
+    } else {
+        client_headers(&headers, &[])
+    };
+    // The head's bytes share the connection's read buffer: released now, the buffer can take
+    // the body's bytes in place instead of growing.
+    drop(headers);
     let timeouts = &fleet.settings.timeouts;
     let idle_deadline = Instant::now() + timeouts.idle();
     let body = UpstreamBody {
@@ -324,28 +327,8 @@ fn respond(
     };
     let mut out = Response::new(Body::new(body));
     *out.status_mut() = status;
-    *out.headers_mut() = headers;
+    out.extensions_mut().insert(wire);
     out
-}
-
-/// Which replica (authority) and DP rank served the request, for clients that ask.
-fn endpoint_headers(headers: &mut HeaderMap, t: &Target) {
-    if let Ok(v) = HeaderValue::from_str(t.replica.endpoint.authority.as_str()) {
-        headers.insert(HeaderName::from_static("x-kinference-endpoint"), v);
-    }
-    headers.insert(
-        HeaderName::from_static("x-kinference-dp-rank"),
-        HeaderValue::from(t.rank),
-    );
-}
-
-/// An event stream of unknown length: errors after the head are sent as an SSE event.
-fn is_sse(headers: &HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.starts_with("text/event-stream"))
-        && !headers.contains_key(header::CONTENT_LENGTH)
 }
 
 /// What the body records when it ends.

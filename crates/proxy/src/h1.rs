@@ -34,13 +34,14 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
-use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, Version};
+use http::header;
+use http::{Method, Request, Response, StatusCode, Uri, Version};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
 
+use crate::heads::{Headers, Place, WireHeaders};
 use crate::sock::{self, READ_CHUNK};
 
 /// Heads larger than this are left to hyper (which answers 431 past its own limit).
@@ -202,7 +203,7 @@ where
     loop {
         // The watchdog hears of a head only when it does not come whole: one that does is in
         // flight at once, and timing it would cost a wake-up per request.
-        let head = loop {
+        let mut head = loop {
             if !buf.is_empty() {
                 match parse(&buf) {
                     Parsed::Complete(h) => break h,
@@ -222,10 +223,16 @@ where
                 },
             }
         };
-        let Some((parts, close)) = head_parts(&head, &buf) else {
-            watch.read(&buf);
-            return handover(socket, buf);
+        let bytes = buf.split_to(head.len).freeze();
+        let Some(parts) = head_parts(&mut head, bytes.clone()) else {
+            // The head goes back in front of what followed it, for hyper to read.
+            let mut all = BytesMut::with_capacity(bytes.len() + buf.len());
+            all.extend_from_slice(&bytes);
+            all.extend_from_slice(&buf);
+            watch.read(&all);
+            return handover(socket, all);
         };
+        let close = head.close;
         let active = watch.begin();
         let req = request(&head, parts, &mut buf, &socket);
         in_flight.set(Some(call(req)));
@@ -321,7 +328,7 @@ struct Head {
     len: usize,
     method: Method,
     target: (usize, usize),
-    headers: Vec<((usize, usize), (usize, usize))>,
+    headers: Vec<Place>,
     content_length: u64,
     close: bool,
 }
@@ -394,25 +401,22 @@ fn parse(buf: &[u8]) -> Parsed {
     })
 }
 
-/// The method, target and headers of a parsed head at the front of `buf`, or `None` if the
-/// target is not one `http` accepts (hyper then answers it); and whether the client asked to
-/// close after it.
-fn head_parts(head: &Head, buf: &BytesMut) -> Option<(http::request::Parts, bool)> {
-    let bytes = Bytes::copy_from_slice(buf.get(..head.len)?);
-    let slice = |(a, b): (usize, usize)| bytes.slice(a..b);
-    let uri = Uri::from_maybe_shared(slice(head.target)).ok()?;
-    let mut map = HeaderMap::with_capacity(head.headers.len());
-    for &(name, value) in &head.headers {
-        let n = HeaderName::from_bytes(bytes.get(name.0..name.1)?).ok()?;
-        let v = HeaderValue::from_maybe_shared(slice(value)).ok()?;
-        map.append(n, v);
-    }
+/// The method, target and headers of a parsed head, whose bytes are `bytes`, or `None` if the
+/// target is not one `http` accepts (hyper then answers it). The headers go in the parts'
+/// extensions as the head's bytes and their places in them ([`Headers::Raw`], taken out with
+/// [`Headers::take`]); the parts' own map stays empty. `httparse` has checked each name and
+/// value as `http` would, so none needs a map's checks again.
+fn head_parts(head: &mut Head, bytes: Bytes) -> Option<http::request::Parts> {
+    let (t0, t1) = head.target;
+    bytes.get(t0..t1)?;
+    let uri = Uri::from_maybe_shared(bytes.slice(t0..t1)).ok()?;
     let (mut parts, ()) = Request::new(()).into_parts();
     parts.method = head.method.clone();
     parts.uri = uri;
     parts.version = Version::HTTP_11;
-    parts.headers = map;
-    Some((parts, head.close))
+    let at = std::mem::take(&mut head.headers);
+    parts.extensions.insert(Headers::Raw { bytes, at });
+    Some(parts)
 }
 
 /// What the fuzz target and the property test check of any bytes: parsing them never panics,
@@ -428,20 +432,28 @@ pub fn check_head(bytes: &[u8]) -> bool {
         inside(h.target) && h.headers.iter().all(|&(n, v)| inside(n) && inside(v)),
         "a part of the head outside it"
     );
-    if let Some((parts, _)) = head_parts(&h, &BytesMut::from(bytes)) {
-        assert_eq!(parts.method, h.method);
+    let mut h = h;
+    let method = h.method.clone();
+    let head = Bytes::copy_from_slice(&bytes[..h.len]);
+    if let Some(mut parts) = head_parts(&mut h, head) {
+        assert_eq!(parts.method, method);
+        let headers = Headers::take(&mut parts);
+        assert_eq!(
+            headers.iter().count(),
+            headers.count(),
+            "a header outside its head"
+        );
     }
     true
 }
 
-/// The request of `head`, taken off the front of `buf` with what came of its body.
+/// The request of `head` (already taken off the front of `buf`), with what came of its body.
 fn request(
     head: &Head,
     parts: http::request::Parts,
     buf: &mut BytesMut,
     socket: &Arc<Socket>,
 ) -> Request<ReqBody> {
-    let _ = buf.split_to(head.len);
     let n = head.content_length.min(buf.len() as u64) as usize;
     let first = (n > 0).then(|| buf.split_to(n).freeze());
     let rest = head.content_length - n as u64;
@@ -466,11 +478,15 @@ async fn write_response(
     let no_body = parts.status == StatusCode::NO_CONTENT
         || parts.status == StatusCode::NOT_MODIFIED
         || parts.status.is_informational();
-    let declared = parts
-        .headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let wire = parts.extensions.get::<WireHeaders>();
+    let declared = match wire {
+        Some(w) => w.content_length,
+        None => parts
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok()),
+    };
     let length = if no_body {
         Some(0)
     } else {
@@ -491,6 +507,10 @@ async fn write_response(
     );
     out.extend_from_slice(b"\r\n");
     let mut dated = false;
+    if let Some(w) = wire {
+        out.extend_from_slice(&w.lines);
+        dated = w.dated;
+    }
     for (name, value) in &parts.headers {
         if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
             continue;
@@ -687,6 +707,28 @@ mod tests {
             parse(b"POST /v1/completions HTTP/1.1\r\nHost"),
             Parsed::Partial
         ));
+    }
+
+    /// A target `httparse` takes and `http` does not (`<`, `>` and a backtick are such bytes):
+    /// the head is whole here, and its parts do not build (the connection goes to hyper).
+    #[test]
+    fn a_target_http_refuses_goes_to_hyper() {
+        let raw = b"GET /v1/models<x> HTTP/1.1\r\nhost: x\r\n\r\n";
+        let Parsed::Complete(mut h) = parse(raw) else {
+            panic!("not a whole head here");
+        };
+        assert!(head_parts(&mut h, Bytes::from_static(raw)).is_none());
+        let Parsed::Complete(mut ok) = parse(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n") else {
+            panic!("not a whole head here");
+        };
+        let mut parts = head_parts(
+            &mut ok,
+            Bytes::from_static(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"),
+        )
+        .unwrap();
+        assert_eq!(parts.uri.path(), "/v1/models");
+        assert!(parts.headers.is_empty());
+        assert_eq!(Headers::take(&mut parts).get("host"), Some(&b"x"[..]));
     }
 
     /// [`check_head`] over seeded random heads: valid ones with bytes changed, cut or

@@ -81,7 +81,8 @@ mod metrics;
 pub mod savings;
 mod usage;
 mod warm;
-// Talking to replicas:
+// Talking to replicas (and the headers both HTTP/1.1 paths carry as bytes):
+mod heads;
 mod link;
 mod sock;
 mod upstream;

@@ -2,10 +2,11 @@
 //! idle connections, each taken by one request at a time and polled from that request's own
 //! task (while waiting for the response head, then from the response body handed to the
 //! client), instead of by a connection task of its own. The HTTP/1.1 exchange is written
-//! here: the request's head and body in one write, the response head parsed with `httparse`
-//! (the parser hyper uses), its body read by `Content-Length`, chunked framing, or to the
-//! close, straight from the socket into the frames handed to the client, with no channel or
-//! dispatcher in between (BENCHMARKS.md, "the data port's HTTP/1.1 fast path").
+//! here: the request's head (as the caller writes it) and body in one write, the response
+//! head parsed with `httparse` (the parser hyper uses) and handed on as its bytes and the
+//! places of its headers ([`Headers`], no header map), its body read by `Content-Length`,
+//! chunked framing, or to the close, straight from the socket into the frames handed to the
+//! client, with no channel or dispatcher in between (BENCHMARKS.md, "the data port's HTTP/1.1 fast path").
 //!
 //! Why: with a connection task, every response chunk passed between two tasks (the connection
 //! task decodes a chunk and waits until the body's reader takes it), so each chunk went to the
@@ -29,16 +30,14 @@
 
 use std::collections::HashMap;
 use std::future::poll_fn;
-use std::io::Write as _;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
-use http::header::{self, HeaderName, HeaderValue};
 use http::uri::Authority;
-use http::{HeaderMap, Method, Request, Response, StatusCode, Version};
+use http::{Request, StatusCode};
 use http_body::{Body, Frame, SizeHint};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -47,6 +46,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
+use crate::heads::{Headers, Place};
 use crate::sock::{self, READ_CHUNK};
 
 /// Response heads larger than this are refused.
@@ -128,17 +128,21 @@ impl Links {
         }
     }
 
-    /// Sends `req` to `authority` on an idle connection, or a new one, and runs `written` once
-    /// the request is written, before its response is awaited: work that the response does
-    /// not need is done while the replica works, instead of before the request leaves (not
-    /// run when the request fails before it is written).
-    /// The request's URI is sent in origin form (path and query); `Host` is the caller's.
+    /// Sends a request to `authority` on an idle connection, or a new one: its head as
+    /// `write_head` writes it (request line in origin form, headers, the blank line; `Host`
+    /// and the body's `Content-Length` are the caller's), then `body`. Runs `written` once the
+    /// request is written, before its response is awaited: work that the response does not
+    /// need is done while the replica works, instead of before the request leaves (not run
+    /// when the request fails before it is written). `head_only`: the request is a `HEAD`,
+    /// whose response has no body whatever its head says.
     pub async fn send(
         &self,
         authority: &Authority,
-        req: Request<Full<Bytes>>,
+        head_only: bool,
+        write_head: impl FnOnce(&mut Vec<u8>),
+        body: Bytes,
         written: impl FnOnce(),
-    ) -> Result<Response<LinkBody>, LinkError> {
+    ) -> Result<Reply, LinkError> {
         // A connection just checked and idle cannot be cancelled before the request is
         // written (nothing else runs on it in between), so a failure from here on may have
         // reached the replica and is not retried.
@@ -146,10 +150,9 @@ impl Links {
             Some(link) => link,
             None => self.connect(authority).await?,
         };
-        let head_only = req.method() == Method::HEAD;
-        write_request(&link.tcp, &mut link.head, authority, req).await?;
+        write_request(&link.tcp, &mut link.head, write_head, &body).await?;
         written();
-        let (resp, framing, reusable) = read_head(&mut link, head_only).await?;
+        let (status, headers, framing, reusable) = read_head(&mut link, head_only).await?;
         let mut body = H1Body {
             link: Some(link),
             framing,
@@ -161,7 +164,11 @@ impl Links {
             body.framing = Framing::Done;
             body.release();
         }
-        Ok(resp.map(|()| LinkBody(Kind::H1(body))))
+        Ok(Reply {
+            status,
+            headers,
+            body: LinkBody(Kind::H1(body)),
+        })
     }
 
     /// Sends `req` to `authority` over HTTP/2 (prior knowledge) on the replica's shared
@@ -171,7 +178,7 @@ impl Links {
         &self,
         authority: &Authority,
         mut req: Request<Full<Bytes>>,
-    ) -> Result<Response<LinkBody>, LinkError> {
+    ) -> Result<Reply, LinkError> {
         *req.version_mut() = http::Version::HTTP_2;
         let mut sender = self.h2_sender(authority).await?;
         if sender.ready().await.is_err() {
@@ -187,7 +194,12 @@ impl Links {
             }
         }
         let resp = sender.send_request(req).await?;
-        Ok(resp.map(|inner| LinkBody(Kind::H2(inner))))
+        let (parts, inner) = resp.into_parts();
+        Ok(Reply {
+            status: parts.status,
+            headers: Headers::Map(parts.headers),
+            body: LinkBody(Kind::H2(inner)),
+        })
     }
 
     /// The replica's open HTTP/2 connection, or a new one (its task spawned here).
@@ -313,50 +325,17 @@ impl Links {
     }
 }
 
-/// Writes `req` in origin form: its head (its own headers, `Host` added if it has none,
-/// `Content-Length` from the body) and body together.
+/// Writes a request: its head, written into the connection's buffer by `write_head`, and its
+/// body, together.
 async fn write_request(
     tcp: &TcpStream,
     head: &mut Vec<u8>,
-    authority: &Authority,
-    req: Request<Full<Bytes>>,
+    write_head: impl FnOnce(&mut Vec<u8>),
+    body: &[u8],
 ) -> Result<(), LinkError> {
-    let (parts, mut body) = req.into_parts();
-    // A `Full` body is one frame (none when empty), there at once.
-    let body = match poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
-        Some(Ok(frame)) => frame.into_data().unwrap_or_default(),
-        _ => Bytes::new(),
-    };
     head.clear();
-    head.extend_from_slice(parts.method.as_str().as_bytes());
-    head.push(b' ');
-    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-    head.extend_from_slice(pq.as_bytes());
-    head.extend_from_slice(b" HTTP/1.1\r\n");
-    if !parts.headers.contains_key(header::HOST) {
-        head.extend_from_slice(b"host: ");
-        head.extend_from_slice(authority.as_str().as_bytes());
-        head.extend_from_slice(b"\r\n");
-    }
-    for (name, value) in &parts.headers {
-        if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
-            continue;
-        }
-        head.extend_from_slice(name.as_str().as_bytes());
-        head.extend_from_slice(b": ");
-        head.extend_from_slice(value.as_bytes());
-        head.extend_from_slice(b"\r\n");
-    }
-    let bodiless = matches!(
-        parts.method,
-        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS | Method::TRACE
-    );
-    if !body.is_empty() || !bodiless {
-        // Into the buffer itself: a Vec's io::Write cannot fail.
-        let _ = write!(head, "content-length: {}\r\n", body.len());
-    }
-    head.extend_from_slice(b"\r\n");
-    let sent = sock::write_all_vectored(tcp, [&head[..], &body[..]]).await;
+    write_head(head);
+    let sent = sock::write_all_vectored(tcp, [&head[..], body]).await;
     // A head grown by unusually many or long headers is not kept for the connection's life.
     if head.capacity() > 16 * 1024 {
         *head = Vec::new();
@@ -394,12 +373,12 @@ enum Chunk {
     Trailers,
 }
 
-/// Reads the response head (skipping interim 1xx heads): the response without its body, how
-/// its body is framed, and whether the connection can carry another request after it.
+/// Reads the response head (skipping interim 1xx heads): its status and headers, how its body
+/// is framed, and whether the connection can carry another request after it.
 async fn read_head(
     link: &mut Link,
     head_only: bool,
-) -> Result<(Response<()>, Framing, bool), LinkError> {
+) -> Result<(StatusCode, Headers, Framing, bool), LinkError> {
     loop {
         if !link.buf.is_empty() {
             match parse_head(&link.buf, head_only)? {
@@ -409,7 +388,11 @@ async fn read_head(
                 }
                 Some(Parsed::Final(n, head)) => {
                     let bytes = link.buf.split_to(n).freeze();
-                    return Ok(head.build(&bytes));
+                    let headers = Headers::Raw {
+                        bytes,
+                        at: head.headers,
+                    };
+                    return Ok((head.status, headers, head.framing, head.reusable));
                 }
                 None if link.buf.len() > MAX_HEAD => {
                     return Err(LinkError::Malformed("a response head over 64 KiB"))
@@ -433,29 +416,9 @@ enum Parsed {
 /// A response head's parts, as positions in its bytes.
 struct Head {
     status: StatusCode,
-    headers: Vec<((usize, usize), (usize, usize))>,
+    headers: Vec<Place>,
     framing: Framing,
     reusable: bool,
-}
-
-impl Head {
-    fn build(self, bytes: &Bytes) -> (Response<()>, Framing, bool) {
-        let mut map = HeaderMap::with_capacity(self.headers.len());
-        for ((n0, n1), (v0, v1)) in self.headers {
-            let name = bytes.get(n0..n1).map(HeaderName::from_bytes);
-            if let (Some(Ok(name)), Ok(value)) = (
-                name,
-                HeaderValue::from_maybe_shared(bytes.slice(v0..v1.max(v0))),
-            ) {
-                map.append(name, value);
-            }
-        }
-        let mut resp = Response::new(());
-        *resp.status_mut() = self.status;
-        *resp.version_mut() = Version::HTTP_11;
-        *resp.headers_mut() = map;
-        (resp, self.framing, self.reusable)
-    }
 }
 
 /// The head at the front of `buf`, if it is all there.
@@ -531,6 +494,24 @@ fn parse_head(buf: &[u8], head_only: bool) -> Result<Option<Parsed>, LinkError> 
             reusable,
         },
     )))
+}
+
+/// A replica's response: its status, its headers as they came, and its body.
+#[derive(Debug)]
+pub(crate) struct Reply {
+    pub status: StatusCode,
+    pub headers: Headers,
+    pub body: LinkBody,
+}
+
+impl Reply {
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    pub fn into_body(self) -> LinkBody {
+        self.body
+    }
 }
 
 /// A response body that drives its connection, and gives it back to the pool when the body
@@ -777,7 +758,26 @@ mod tests {
         scripted(answer.into_bytes(), 1, close).await
     }
 
-    fn get(authority: &Authority) -> Request<Full<Bytes>> {
+    /// `GET /x`'s head for `authority`, as `Links::send` writes it.
+    fn get(authority: &Authority) -> impl FnOnce(&mut Vec<u8>) + '_ {
+        move |out: &mut Vec<u8>| {
+            out.extend_from_slice(
+                format!("GET /x HTTP/1.1\r\nhost: {authority}\r\n\r\n").as_bytes(),
+            )
+        }
+    }
+
+    /// `HEAD /x`'s head for `authority`.
+    fn head(authority: &Authority) -> impl FnOnce(&mut Vec<u8>) + '_ {
+        move |out: &mut Vec<u8>| {
+            out.extend_from_slice(
+                format!("HEAD /x HTTP/1.1\r\nhost: {authority}\r\n\r\n").as_bytes(),
+            )
+        }
+    }
+
+    /// `GET /x` as a request, for HTTP/2.
+    fn request(authority: &Authority) -> Request<Full<Bytes>> {
         Request::builder()
             .uri(format!("http://{authority}/x"))
             .header(http::header::HOST, authority.as_str())
@@ -786,7 +786,10 @@ mod tests {
     }
 
     async fn read_all(links: &Links, authority: &Authority) -> String {
-        let resp = links.send(authority, get(authority), || ()).await.unwrap();
+        let resp = links
+            .send(authority, false, get(authority), Bytes::new(), || ())
+            .await
+            .unwrap();
         assert_eq!(resp.status(), 200);
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
@@ -806,7 +809,9 @@ mod tests {
                 tokio::spawn(async move {
                     let svc = hyper::service::service_fn(|req: Request<Incoming>| async move {
                         let v = format!("{:?}", req.version());
-                        Ok::<_, std::convert::Infallible>(Response::new(Full::new(Bytes::from(v))))
+                        Ok::<_, std::convert::Infallible>(http::Response::new(Full::new(
+                            Bytes::from(v),
+                        )))
                     });
                     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                         .serve_connection(TokioIo::new(sock), svc);
@@ -822,7 +827,7 @@ mod tests {
     }
 
     async fn read_all_h2(links: &Links, authority: &Authority) -> String {
-        let resp = links.send_h2(authority, get(authority)).await.unwrap();
+        let resp = links.send_h2(authority, request(authority)).await.unwrap();
         assert_eq!(resp.status(), 200);
         let body = resp.into_body().collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
@@ -927,7 +932,7 @@ mod tests {
         let (authority, accepted) = replica("a longer answer", false).await;
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         let resp = links
-            .send(&authority, get(&authority), || ())
+            .send(&authority, false, get(&authority), Bytes::new(), || ())
             .await
             .unwrap();
         drop(resp);
@@ -1062,7 +1067,7 @@ mod tests {
                 // Bodies read to the close need the replica to close: it does when the next
                 // request finds the connection gone, so each is read on its own connection.
                 let resp = links
-                    .send(&authority, get(&authority), || ())
+                    .send(&authority, false, get(&authority), Bytes::new(), || ())
                     .await
                     .unwrap();
                 if body == "to the end" {
@@ -1085,10 +1090,11 @@ mod tests {
         .await;
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         for _ in 0..2 {
-            let mut req = get(&authority);
-            *req.method_mut() = Method::HEAD;
-            let resp = links.send(&authority, req, || ()).await.unwrap();
-            assert_eq!(resp.headers()["content-length"], "9");
+            let resp = links
+                .send(&authority, true, head(&authority), Bytes::new(), || ())
+                .await
+                .unwrap();
+            assert_eq!(resp.headers.get("content-length"), Some(&b"9"[..]));
             assert!(resp
                 .into_body()
                 .collect()
@@ -1108,7 +1114,9 @@ mod tests {
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         let mut written = false;
         let err = links
-            .send(&authority, get(&authority), || written = true)
+            .send(&authority, false, get(&authority), Bytes::new(), || {
+                written = true
+            })
             .await
             .unwrap_err();
         assert!(err.is_connect(), "{err}");
@@ -1140,7 +1148,7 @@ mod tests {
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         let mut go = Some(go);
         let mut runs = 0;
-        let sent = links.send(&authority, get(&authority), || {
+        let sent = links.send(&authority, false, get(&authority), Bytes::new(), || {
             runs += 1;
             go.take().unwrap().send(()).unwrap();
         });

@@ -29,6 +29,7 @@ use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
 use crate::forward::{forward, Accounting, Forward};
 use crate::h1::ReqBody;
+use crate::heads::Headers;
 use crate::metrics::RequestLabels;
 use crate::upstream::Upstream;
 use crate::warming;
@@ -84,10 +85,11 @@ fn not_allowed(data: &Data, req: &Request, route: &'static str, allow: &'static 
 async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Response {
     let start = Instant::now();
     let label = api.route_label();
-    let (parts, body) = match read_body(&fleet, "data", req).await {
+    let (mut parts, body) = match read_body(&fleet, "data", req).await {
         Ok(x) => x,
         Err(e) => return reject(&fleet, label, e),
     };
+    let headers = Headers::take(&mut parts);
     let looked = match decide::lookup(&fleet, api, &body) {
         Ok(l) => l,
         Err(e) => return reject(&fleet, label, e),
@@ -96,7 +98,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         Ok(a) => a,
         Err(e) => return reject(&fleet, label, e),
     };
-    let prepared = match decide::prepare_looked(&fleet, looked, &parts.headers, false) {
+    let prepared = match decide::prepare_looked(&fleet, looked, &headers, false) {
         Ok(p) => p,
         Err(e) => return reject(&fleet, label, e),
     };
@@ -105,7 +107,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         prepared,
         fleet.settings.max_attempts.max(1) as usize,
     );
-    warming::spawn(&fleet, &upstream, &mut routed, &parts.headers);
+    warming::spawn(&fleet, &upstream, &mut routed, &headers);
     let (pool, prompt_tokens) = (routed.prepared.pool.clone(), routed.prepared.prompt_tokens);
     let fwd = Forward {
         route: label,
@@ -113,7 +115,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         accounting: Accounting::Routed { prompt_tokens },
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
-        headers: parts.headers,
+        headers,
         body,
         start,
         admitted,
@@ -174,10 +176,11 @@ struct ModelOnly {
 async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
     let start = Instant::now();
     let route = route_label(req.uri().path());
-    let (parts, body) = match read_body(&fleet, "data", req).await {
+    let (mut parts, body) = match read_body(&fleet, "data", req).await {
         Ok(x) => x,
         Err(e) => return reject(&fleet, route, e),
     };
+    let headers = Headers::take(&mut parts);
     let model = if body.first() == Some(&b'{') {
         serde_json::from_slice::<ModelOnly>(&body)
             .ok()
@@ -200,7 +203,7 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
         accounting: Accounting::Passthrough,
         method: parts.method.clone(),
         path_and_query: path_and_query(&parts),
-        headers: parts.headers,
+        headers,
         body,
         start,
         admitted,

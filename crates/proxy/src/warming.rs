@@ -18,8 +18,9 @@ use kinference_vllm::BlockHash;
 
 use crate::decide::Routed;
 use crate::fleet::{Fleet, InFlight};
+use crate::heads::Headers;
 use crate::metrics::{PoolKind, PoolLabel};
-use crate::upstream::{build_request, error_chain, Upstream};
+use crate::upstream::{error_chain, Outgoing, Upstream};
 use crate::usage::UsageScanner;
 use crate::warm::{body, plan, Skip};
 
@@ -34,7 +35,7 @@ pub(crate) fn spawn(
     fleet: &Arc<Fleet>,
     upstream: &Upstream,
     routed: &mut Routed,
-    client: &HeaderMap,
+    client: &Headers,
 ) {
     let Some(src) = routed.prepared.warm.take() else {
         return;
@@ -86,23 +87,14 @@ pub(crate) fn spawn(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
     );
-    if let Some(auth) = client.get(header::AUTHORIZATION) {
-        headers.insert(header::AUTHORIZATION, auth.clone());
+    if let Some(auth) = client
+        .get("authorization")
+        .and_then(|v| HeaderValue::from_bytes(v).ok())
+    {
+        headers.insert(header::AUTHORIZATION, auth);
     }
-    let req = match build_request(
-        &Method::POST,
-        &PathAndQuery::from_static("/v1/completions"),
-        &headers,
-        Bytes::from(json.to_string()),
-        &replica.endpoint,
-        (replica.dp_size() > 1).then_some(rank),
-    ) {
-        Ok(r) => r,
-        Err(e) => {
-            tracing::debug!(replica = %replica.url(), error = %e, "warm not sent");
-            return;
-        }
-    };
+    let body = Bytes::from(json.to_string());
+    let pinned = (replica.dp_size() > 1).then_some(rank);
     let hashes: Vec<BlockHash> = p.hashes[..blocks].to_vec();
     let rules = p.rules.clone();
     let applied = rules.policy.lock().apply_to(plan.worker, &hashes, now);
@@ -127,8 +119,15 @@ pub(crate) fn spawn(
     tokio::spawn(async move {
         let timeout = fleet.settings.timeouts.first_byte();
         let sent = tokio::time::timeout(timeout, async {
+            let req = Outgoing {
+                method: &Method::POST,
+                path_and_query: &PathAndQuery::from_static("/v1/completions"),
+                headers: &Headers::Map(headers),
+                body,
+                rank: pinned,
+            };
             let resp = upstream
-                .send(&replica.endpoint, req, || ())
+                .send(&replica.endpoint, &req, || ())
                 .await
                 .map_err(|e| error_chain(&e))?;
             let status = resp.status();

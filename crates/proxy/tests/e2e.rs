@@ -804,15 +804,29 @@ async fn streamed_bytes_through_the_router_equal_direct_bytes() {
                 .json(body)
                 .send()
         };
+        // The replica's end-to-end headers, with the body: the same through the router.
         let reply = |resp: reqwest::Response| async move {
-            Reply {
+            let mut headers: Vec<(String, String)> = resp
+                .headers()
+                .iter()
+                .filter(|(n, _)| {
+                    !matches!(
+                        n.as_str(),
+                        "date" | "content-length" | "transfer-encoding" | "connection"
+                    )
+                })
+                .map(|(n, v)| (n.to_string(), v.to_str().unwrap().to_owned()))
+                .collect();
+            headers.sort();
+            let r = Reply {
                 status: resp.status().as_u16(),
                 endpoint: None,
                 body: resp.text().await.unwrap(),
-            }
+            };
+            (r, headers)
         };
-        let a = reply(send(&client(), direct.addr).await.unwrap()).await;
-        let via = if i == 1 {
+        let (a, a_headers) = reply(send(&client(), direct.addr).await.unwrap()).await;
+        let (via, via_headers) = if i == 1 {
             let resp = send(&h2, proxy.data_addr()).await.unwrap();
             assert_eq!(resp.version(), reqwest::Version::HTTP_2);
             reply(resp).await
@@ -820,6 +834,11 @@ async fn streamed_bytes_through_the_router_equal_direct_bytes() {
             reply(send(&client(), proxy.data_addr()).await.unwrap()).await
         };
         assert_eq!((a.status, via.status), (200, 200), "{}", via.body);
+        assert!(
+            a_headers.iter().any(|(n, _)| n == "content-type"),
+            "{a_headers:?}"
+        );
+        assert_eq!(a_headers, via_headers, "{path}");
         assert_eq!(normalize(&a.body), normalize(&via.body), "{path}");
         assert!(a.body.len() > 200);
     }
@@ -1377,6 +1396,161 @@ async fn a_503_head_moves_the_request_to_the_next_replica() {
         "{text}"
     );
     wait_idle(&proxy).await;
+    proxy.shutdown().await;
+}
+
+/// A fake replica that answers each request (one per connection) with the head it received
+/// as its body, under a head with hop-by-hop headers, one its `Connection` names, a header of
+/// its own and one that claims to be the router's.
+async fn echo_head_replica() -> SocketAddr {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move {
+        while let Ok((mut sock, _)) = l.accept().await {
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let end = loop {
+                    if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        break i + 4;
+                    }
+                    let mut buf = [0u8; 4096];
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                };
+                let head = String::from_utf8_lossy(&got[..end]).into_owned();
+                let reply = format!(
+                    "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nConnection: close, X-Hop\r\n\
+                     X-Hop: 1\r\nKeep-Alive: timeout=5\r\nX-Reply: yes\r\n\
+                     x-kinference-endpoint: spoofed\r\nContent-Length: {}\r\n\r\n{head}",
+                    head.len()
+                );
+                let _ = sock.write_all(reply.as_bytes()).await;
+            });
+        }
+    });
+    addr
+}
+
+/// What each side gets of the other's headers, whichever HTTP path the client's request
+/// takes (the data port's own HTTP/1.1 path, with names in any case; hyper's, over HTTP/2):
+/// the replica gets the client's end-to-end headers, `Host` naming it, and no hop-by-hop
+/// header, none the client's `Connection` names and not the client's DP rank; the client gets
+/// the replica's end-to-end headers, not its hop-by-hop ones, and the router's own
+/// `x-kinference-endpoint` instead of the replica's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_side_gets_the_others_end_to_end_headers_only() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let replica = echo_head_replica().await;
+    let mut cfg = config(vec![pool(
+        vec![ReplicaSpec::new(&url(replica))],
+        parse("round-robin"),
+    )]);
+    cfg.scrape.interval_ms = 0;
+    let proxy = router(cfg).await;
+    let body = serde_json::to_vec(&completion("hi", 2)).unwrap();
+    let expect_replica_head = |head: &str| {
+        let lower = head.to_ascii_lowercase();
+        let has = |line: &str| lower.contains(&format!("\r\n{line}\r\n"));
+        assert!(has(&format!("host: {replica}")), "{head}");
+        assert!(has("authorization: bearer k"), "{head}");
+        assert!(has("x-custom: 1"), "{head}");
+        assert!(has(&format!("content-length: {}", body.len())), "{head}");
+        for gone in [
+            "x-private",
+            "keep-alive",
+            "te:",
+            "x-data-parallel-rank",
+            "router:80",
+        ] {
+            assert!(!lower.contains(gone), "{gone} reached the replica: {head}");
+        }
+    };
+
+    // The data port's own path: a plain HTTP/1.1 request.
+    let mut tcp = TcpStream::connect(proxy.data_addr()).await.unwrap();
+    let head = format!(
+        "POST /v1/completions HTTP/1.1\r\nHost: router:80\r\nConnection: keep-alive, X-Private\r\n\
+         X-Private: 1\r\nKeep-Alive: timeout=5\r\nTE: trailers\r\nX-Data-Parallel-Rank: 3\r\n\
+         Authorization: Bearer k\r\nX-Custom: 1\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\n\r\n",
+        body.len()
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    tcp.write_all(&body).await.unwrap();
+    let mut got = Vec::new();
+    let (reply_head, reply_body) = loop {
+        let mut buf = [0u8; 8192];
+        let n = tcp.read(&mut buf).await.unwrap();
+        assert!(
+            n > 0,
+            "the router closed early: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).into_owned();
+        if let Some((h, b)) = text.split_once("\r\n\r\n") {
+            let len: usize = h
+                .lines()
+                .find_map(|l| {
+                    l.to_ascii_lowercase()
+                        .strip_prefix("content-length: ")
+                        .map(str::to_owned)
+                })
+                .unwrap()
+                .parse()
+                .unwrap();
+            if b.len() >= len {
+                break (h.to_owned(), b.to_owned());
+            }
+        }
+    };
+    expect_replica_head(&reply_body);
+    let lower = reply_head.to_ascii_lowercase();
+    assert!(lower.starts_with("http/1.1 200 ok\r\n"), "{reply_head}");
+    assert!(lower.contains("\r\nx-reply: yes"), "{reply_head}");
+    assert!(
+        lower.contains("\r\ncontent-type: text/plain"),
+        "{reply_head}"
+    );
+    assert!(
+        lower.contains(&format!("\r\nx-kinference-endpoint: {replica}")),
+        "{reply_head}"
+    );
+    for gone in ["x-hop", "keep-alive", "spoofed", "close"] {
+        assert!(
+            !lower.contains(gone),
+            "{gone} reached the client: {reply_head}"
+        );
+    }
+
+    // hyper's path: HTTP/2 (which has no connection headers to send).
+    let h2 = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let resp = h2
+        .post(format!("http://{}/v1/completions", proxy.data_addr()))
+        .header("authorization", "Bearer k")
+        .header("x-custom", "1")
+        .header("x-data-parallel-rank", "3")
+        .header("content-type", "application/json")
+        .body(body.clone())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.version(), reqwest::Version::HTTP_2);
+    let h = resp.headers().clone();
+    assert_eq!(h["x-reply"], "yes");
+    assert_eq!(h["content-type"], "text/plain");
+    assert_eq!(h["x-kinference-endpoint"], replica.to_string().as_str());
+    assert!(
+        !h.contains_key("x-hop") && !h.contains_key("keep-alive"),
+        "{h:?}"
+    );
+    expect_replica_head(&resp.text().await.unwrap());
     proxy.shutdown().await;
 }
 
