@@ -32,7 +32,6 @@ use crate::dashboard::{self, History, Totals};
 use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
-use crate::heads::Headers;
 use crate::savings::Prices;
 use crate::snapshot::{self, Costs};
 
@@ -152,7 +151,8 @@ async fn explain(State(s): State<Arc<AdminState>>, req: Request) -> Response {
         return refused;
     }
     let query = req.uri().query().unwrap_or("").to_owned();
-    let (mut parts, body) = match read_body(&s.fleet, "admin", req).await {
+    let (parts, body) = req.into_parts();
+    let body = match read_body(&s.fleet, "admin", body).await {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
@@ -170,7 +170,7 @@ async fn explain(State(s): State<Arc<AdminState>>, req: Request) -> Response {
             }
         }
     };
-    match decide::prepare(&s.fleet, api, &body, &Headers::take(&mut parts), true) {
+    match decide::prepare(&s.fleet, api, &body, &parts.headers, true) {
         Ok(p) => json_response(StatusCode::OK, &decide::explain(&s.fleet, api, &p)),
         Err(e) => e.into_response(),
     }

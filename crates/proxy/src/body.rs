@@ -9,8 +9,8 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::request::Parts;
 use http::uri::PathAndQuery;
+use http::Uri;
 use http_body_util::{BodyExt, LengthLimitError, Limited};
 use tokio::time::Instant;
 
@@ -22,8 +22,8 @@ use crate::fleet::Fleet;
 pub(crate) async fn read_body<B>(
     fleet: &Fleet,
     port: &'static str,
-    req: http::Request<B>,
-) -> Result<(Parts, Bytes), RequestError>
+    body: B,
+) -> Result<Bytes, RequestError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -33,7 +33,7 @@ where
         s.max_body_bytes,
         s.timeouts.body_read(),
         s.limits.min_body_rate_bytes_per_s,
-        req,
+        body,
     )
     .await;
     if let Err(RequestError::BodyTimeout { .. }) = &read {
@@ -48,15 +48,14 @@ async fn read_within<B>(
     limit: usize,
     grace: Duration,
     min_rate: u64,
-    req: http::Request<B>,
-) -> Result<(Parts, Bytes), RequestError>
+    body: B,
+) -> Result<Bytes, RequestError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (parts, body) = req.into_parts();
     // The declared length, read off the body (both HTTP/1 paths size a body by its
-    // `Content-Length`; the data port's own path leaves the header map empty).
+    // `Content-Length`).
     if body.size_hint().lower() > limit as u64 {
         return Err(RequestError::TooLarge { limit });
     }
@@ -121,15 +120,13 @@ where
             all.freeze()
         }
     };
-    Ok((parts, bytes))
+    Ok(bytes)
 }
 
 /// The request target as forwarded: path and query (a shared handle of the parsed request's,
 /// not a copy).
-pub(crate) fn path_and_query(parts: &Parts) -> PathAndQuery {
-    parts
-        .uri
-        .path_and_query()
+pub(crate) fn path_and_query(uri: &Uri) -> PathAndQuery {
+    uri.path_and_query()
         .cloned()
         .unwrap_or_else(|| PathAndQuery::from_static("/"))
 }
@@ -140,16 +137,15 @@ mod tests {
 
     use super::*;
     use axum::body::Body;
-    use axum::extract::Request;
     use futures_util::StreamExt;
 
     /// A body that sends `chunk` bytes every `every`, `n` times.
-    fn trickle(chunk: usize, every: Duration, n: usize) -> Request {
+    fn trickle(chunk: usize, every: Duration, n: usize) -> Body {
         let s = futures_util::stream::iter(0..n).then(move |_| async move {
             tokio::time::sleep(every).await;
             Ok::<_, std::io::Error>(Bytes::from(vec![b'x'; chunk]))
         });
-        Request::new(Body::from_stream(s))
+        Body::from_stream(s)
     }
 
     #[tokio::test(start_paused = true)]
@@ -166,7 +162,7 @@ mod tests {
 
         // 200 B/s for 60 s: past the grace period, but above the rate.
         let steady = trickle(200, Duration::from_secs(1), 60);
-        let (_, body) = read_within(1 << 20, grace, 100, steady).await.unwrap();
+        let body = read_within(1 << 20, grace, 100, steady).await.unwrap();
         assert_eq!(body.len(), 12_000);
 
         // Without a rate, the grace period bounds the whole body.
@@ -177,7 +173,7 @@ mod tests {
 
     #[tokio::test]
     async fn size_limits_still_hold() {
-        let req = Request::new(Body::from(vec![0u8; 100]));
+        let req = Body::from(vec![0u8; 100]);
         let err = read_within(10, Duration::from_secs(1), 0, req)
             .await
             .unwrap_err();
@@ -185,8 +181,8 @@ mod tests {
             matches!(err, RequestError::TooLarge { limit: 10 }),
             "{err:?}"
         );
-        let req = Request::new(Body::from(vec![7u8; 100]));
-        let (_, b) = read_within(100, Duration::from_secs(1), 0, req)
+        let req = Body::from(vec![7u8; 100]);
+        let b = read_within(100, Duration::from_secs(1), 0, req)
             .await
             .unwrap();
         assert_eq!(b.len(), 100);
@@ -197,15 +193,15 @@ mod tests {
         let parts = ["{\"a\":", "", "[1,", "2]}"];
         let s = futures_util::stream::iter(parts)
             .map(|p| Ok::<_, std::io::Error>(Bytes::from_static(p.as_bytes())));
-        let req = Request::new(Body::from_stream(s));
-        let (_, b) = read_within(100, Duration::from_secs(1), 0, req)
+        let req = Body::from_stream(s);
+        let b = read_within(100, Duration::from_secs(1), 0, req)
             .await
             .unwrap();
         assert_eq!(&b[..], b"{\"a\":[1,2]}");
 
         let one = Bytes::from_static(b"{\"prompt\":\"x\"}");
-        let req = Request::new(http_body_util::Full::new(one.clone()));
-        let (_, b) = read_within(100, Duration::from_secs(1), 0, req)
+        let req = http_body_util::Full::new(one.clone());
+        let b = read_within(100, Duration::from_secs(1), 0, req)
             .await
             .unwrap();
         assert_eq!(

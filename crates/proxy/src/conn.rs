@@ -31,7 +31,6 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::response::Response;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
@@ -46,26 +45,26 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::{Limits, Timeouts};
-use crate::h1::{self, ReqBody};
-use crate::heads::WireHeaders;
+use crate::h1::{self, Answer, Req};
 use crate::limits::{LimitMetrics, PortLabel};
 
-/// What a port serves: a request in, its response out. The admin port serves an axum router;
-/// the data port dispatches its few paths itself (`server::Data`), which costs less per
-/// request than a router's matching, extensions and boxed futures.
+/// What a port serves: a request in, its response out, as the router's own types ([`Req`],
+/// [`Answer`]), whose headers may be a head's bytes rather than a map: the data port's own
+/// HTTP/1.1 path and its handlers pass headers they do not read on as bytes, and only hyper's
+/// path makes maps of them. The admin port serves an axum router (its requests and responses
+/// converted at the edge); the data port dispatches its few paths itself (`server::Data`),
+/// which costs less per request than a router's matching, extensions and boxed futures.
 pub(crate) trait App: Clone + Send + Sync + 'static {
-    fn call(
-        &self,
-        req: http::Request<ReqBody>,
-    ) -> impl Future<Output = Response> + Send + use<Self>;
+    fn call(&self, req: Req) -> impl Future<Output = Answer> + Send + use<Self>;
 }
 
 impl App for axum::Router {
-    fn call(&self, req: http::Request<ReqBody>) -> impl Future<Output = Response> + Send + use<> {
-        let fut = hyper::service::Service::call(&TowerToHyperService::new(self.clone()), req);
+    fn call(&self, req: Req) -> impl Future<Output = Answer> + Send + use<> {
+        let svc = TowerToHyperService::new(self.clone());
+        let fut = hyper::service::Service::call(&svc, req.into_http());
         async move {
             match fut.await {
-                Ok(resp) => resp,
+                Ok(resp) => Answer::from(resp),
                 Err(never) => match never {},
             }
         }
@@ -483,12 +482,9 @@ impl<A: App> Connection<A> {
         let tracked = state.clone();
         let svc = hyper::service::service_fn(move |req: http::Request<Incoming>| {
             let active = Active::begin(&tracked);
-            let fut = app.call(req.map(ReqBody::Hyper));
+            let fut = app.call(Req::from_http(req));
             async move {
-                let mut resp = fut.await;
-                if let Some(wire) = resp.extensions_mut().remove::<WireHeaders>() {
-                    wire.into_map(resp.headers_mut());
-                }
+                let resp = fut.await.into_response();
                 // Not boxed again: hyper takes the wrapper as the body type.
                 Ok::<_, std::convert::Infallible>(resp.map(|inner| Tracked {
                     inner,

@@ -24,9 +24,9 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::response::Response;
 use bytes::Bytes;
 use http::uri::PathAndQuery;
+use http::HeaderMap;
 use http::{Method, StatusCode};
 use http_body::{Body as _, Frame, SizeHint};
 use prometheus_client::metrics::histogram::Histogram;
@@ -35,6 +35,7 @@ use tokio::time::{Instant, Sleep};
 use crate::decide::Target;
 use crate::error::RequestError;
 use crate::fleet::{Fleet, InFlight, Pool, Replica};
+use crate::h1::Answer;
 use crate::heads::Headers;
 use crate::limits::Admitted;
 use crate::link::{LinkBody, Reply};
@@ -110,7 +111,7 @@ pub(crate) async fn forward(
     req: Forward,
     targets: &[Target],
     observe: impl FnOnce() -> Vec<BaselineGuess>,
-) -> Result<(Response, usize), RequestError> {
+) -> Result<(Answer, usize), RequestError> {
     let attempts = targets
         .len()
         .min(fleet.settings.max_attempts.max(1) as usize);
@@ -267,7 +268,7 @@ fn respond(
     guard: InFlight,
     resp: Reply,
     baselines: Vec<BaselineGuess>,
-) -> Response {
+) -> Answer {
     let Reply {
         status,
         headers,
@@ -325,10 +326,12 @@ fn respond(
             start: req.start,
         },
     };
-    let mut out = Response::new(Body::new(body));
-    *out.status_mut() = status;
-    out.extensions_mut().insert(wire);
-    out
+    Answer {
+        status,
+        headers: HeaderMap::new(),
+        wire: Some(wire),
+        body: Body::new(body),
+    }
 }
 
 /// What the body records when it ends.

@@ -35,7 +35,7 @@ use std::task::{ready, Context, Poll};
 
 use bytes::{Bytes, BytesMut};
 use http::header;
-use http::{Method, Request, Response, StatusCode, Uri, Version};
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri};
 use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::net::TcpStream;
@@ -85,6 +85,74 @@ impl Body for ReqBody {
             ReqBody::Hyper(b) => b.size_hint(),
             ReqBody::Lean(b) => b.size_hint(),
         }
+    }
+}
+
+/// A request as a port's handler gets it from either HTTP path: this path hands its head's
+/// headers on as bytes ([`Headers::Raw`]), hyper's path its map.
+#[derive(Debug)]
+pub(crate) struct Req {
+    pub method: Method,
+    pub uri: Uri,
+    pub headers: Headers,
+    pub body: ReqBody,
+}
+
+impl Req {
+    /// A request hyper read.
+    pub fn from_http(req: Request<Incoming>) -> Self {
+        let (parts, body) = req.into_parts();
+        Req {
+            method: parts.method,
+            uri: parts.uri,
+            headers: Headers::Map(parts.headers),
+            body: ReqBody::Hyper(body),
+        }
+    }
+
+    /// The same request for a handler that takes `http`'s (the admin port's router).
+    pub fn into_http(self) -> Request<ReqBody> {
+        let mut req = Request::new(self.body);
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.headers_mut() = self.headers.into_map();
+        req
+    }
+}
+
+/// A response as a port's handler gives it: `headers`, then `wire` (a replica's end-to-end
+/// headers, as bytes), then the body.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub wire: Option<WireHeaders>,
+    pub body: axum::body::Body,
+}
+
+impl From<Response<axum::body::Body>> for Answer {
+    fn from(resp: Response<axum::body::Body>) -> Self {
+        let (parts, body) = resp.into_parts();
+        Answer {
+            status: parts.status,
+            headers: parts.headers,
+            wire: None,
+            body,
+        }
+    }
+}
+
+impl Answer {
+    /// The response as hyper sends it: the wire headers turned back into the map.
+    pub fn into_response(self) -> Response<axum::body::Body> {
+        let mut headers = self.headers;
+        if let Some(wire) = self.wire {
+            wire.into_map(&mut headers);
+        }
+        let mut resp = Response::new(self.body);
+        *resp.status_mut() = self.status;
+        *resp.headers_mut() = headers;
+        resp
     }
 }
 
@@ -183,8 +251,8 @@ pub(crate) async fn serve<W, C, F>(
 ) -> Ended
 where
     W: Watch,
-    C: Fn(Request<ReqBody>) -> F,
-    F: Future<Output = Response<axum::body::Body>>,
+    C: Fn(Req) -> F,
+    F: Future<Output = Answer>,
 {
     let socket = Arc::new(Socket {
         tcp,
@@ -224,7 +292,7 @@ where
             }
         };
         let bytes = buf.split_to(head.len).freeze();
-        let Some(parts) = head_parts(&mut head, bytes.clone()) else {
+        let Some((method, uri, headers)) = head_parts(&mut head, bytes.clone()) else {
             // The head goes back in front of what followed it, for hyper to read.
             let mut all = BytesMut::with_capacity(bytes.len() + buf.len());
             all.extend_from_slice(&bytes);
@@ -234,7 +302,12 @@ where
         };
         let close = head.close;
         let active = watch.begin();
-        let req = request(&head, parts, &mut buf, &socket);
+        let req = Req {
+            method,
+            uri,
+            headers,
+            body: request_body(&head, &mut buf, &socket),
+        };
         in_flight.set(Some(call(req)));
         let resp = or_gone(&socket, &mut buf, |cx| {
             match in_flight.as_mut().as_pin_mut() {
@@ -247,9 +320,8 @@ where
         let Some(resp) = resp else {
             return Ended::Closed;
         };
-        let (parts, body) = resp.into_parts();
         let close = close || stop.is_cancelled();
-        let kept = write_response(&socket, &mut buf, &mut out, parts, body, close).await;
+        let kept = write_response(&socket, &mut buf, &mut out, resp, close).await;
         drop(active);
         if !kept || close || stop.is_cancelled() || !drain(&socket, &mut buf).await {
             return Ended::Closed;
@@ -402,21 +474,15 @@ fn parse(buf: &[u8]) -> Parsed {
 }
 
 /// The method, target and headers of a parsed head, whose bytes are `bytes`, or `None` if the
-/// target is not one `http` accepts (hyper then answers it). The headers go in the parts'
-/// extensions as the head's bytes and their places in them ([`Headers::Raw`], taken out with
-/// [`Headers::take`]); the parts' own map stays empty. `httparse` has checked each name and
+/// target is not one `http` accepts (hyper then answers it). The headers stay the head's
+/// bytes and their places in them ([`Headers::Raw`]): `httparse` has checked each name and
 /// value as `http` would, so none needs a map's checks again.
-fn head_parts(head: &mut Head, bytes: Bytes) -> Option<http::request::Parts> {
+fn head_parts(head: &mut Head, bytes: Bytes) -> Option<(Method, Uri, Headers)> {
     let (t0, t1) = head.target;
     bytes.get(t0..t1)?;
     let uri = Uri::from_maybe_shared(bytes.slice(t0..t1)).ok()?;
-    let (mut parts, ()) = Request::new(()).into_parts();
-    parts.method = head.method.clone();
-    parts.uri = uri;
-    parts.version = Version::HTTP_11;
     let at = std::mem::take(&mut head.headers);
-    parts.extensions.insert(Headers::Raw { bytes, at });
-    Some(parts)
+    Some((head.method.clone(), uri, Headers::Raw { bytes, at }))
 }
 
 /// What the fuzz target and the property test check of any bytes: parsing them never panics,
@@ -435,9 +501,8 @@ pub fn check_head(bytes: &[u8]) -> bool {
     let mut h = h;
     let method = h.method.clone();
     let head = Bytes::copy_from_slice(&bytes[..h.len]);
-    if let Some(mut parts) = head_parts(&mut h, head) {
-        assert_eq!(parts.method, method);
-        let headers = Headers::take(&mut parts);
+    if let Some((m, _, headers)) = head_parts(&mut h, head) {
+        assert_eq!(m, method);
         assert_eq!(
             headers.iter().count(),
             headers.count(),
@@ -447,22 +512,17 @@ pub fn check_head(bytes: &[u8]) -> bool {
     true
 }
 
-/// The request of `head` (already taken off the front of `buf`), with what came of its body.
-fn request(
-    head: &Head,
-    parts: http::request::Parts,
-    buf: &mut BytesMut,
-    socket: &Arc<Socket>,
-) -> Request<ReqBody> {
+/// The body of `head`'s request (the head already taken off the front of `buf`): what came of
+/// it with the head, then the rest from the socket.
+fn request_body(head: &Head, buf: &mut BytesMut, socket: &Arc<Socket>) -> ReqBody {
     let n = head.content_length.min(buf.len() as u64) as usize;
     let first = (n > 0).then(|| buf.split_to(n).freeze());
     let rest = head.content_length - n as u64;
     socket.left.store(rest, Ordering::Relaxed);
-    let body = LeanBody {
+    ReqBody::Lean(LeanBody {
         first,
         socket: (rest > 0).then(|| socket.clone()),
-    };
-    Request::from_parts(parts, ReqBody::Lean(body))
+    })
 }
 
 /// Writes a response (saying `connection: close` when `closing`, as hyper does); whether the
@@ -471,18 +531,21 @@ async fn write_response(
     socket: &Socket,
     buf: &mut BytesMut,
     out: &mut Vec<u8>,
-    parts: http::response::Parts,
-    body: axum::body::Body,
+    answer: Answer,
     closing: bool,
 ) -> bool {
-    let no_body = parts.status == StatusCode::NO_CONTENT
-        || parts.status == StatusCode::NOT_MODIFIED
-        || parts.status.is_informational();
-    let wire = parts.extensions.get::<WireHeaders>();
-    let declared = match wire {
+    let Answer {
+        status,
+        headers,
+        wire,
+        body,
+    } = answer;
+    let no_body = status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED
+        || status.is_informational();
+    let declared = match &wire {
         Some(w) => w.content_length,
-        None => parts
-            .headers
+        None => headers
             .get(header::CONTENT_LENGTH)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.parse::<u64>().ok()),
@@ -496,22 +559,16 @@ async fn write_response(
     let mut has_connection = false;
     out.clear();
     out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(parts.status.as_str().as_bytes());
+    out.extend_from_slice(status.as_str().as_bytes());
     out.push(b' ');
-    out.extend_from_slice(
-        parts
-            .status
-            .canonical_reason()
-            .unwrap_or("<none>")
-            .as_bytes(),
-    );
+    out.extend_from_slice(status.canonical_reason().unwrap_or("<none>").as_bytes());
     out.extend_from_slice(b"\r\n");
     let mut dated = false;
-    if let Some(w) = wire {
+    if let Some(w) = &wire {
         out.extend_from_slice(&w.lines);
         dated = w.dated;
     }
-    for (name, value) in &parts.headers {
+    for (name, value) in &headers {
         if name == header::CONTENT_LENGTH || name == header::TRANSFER_ENCODING {
             continue;
         }
@@ -721,14 +778,13 @@ mod tests {
         let Parsed::Complete(mut ok) = parse(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n") else {
             panic!("not a whole head here");
         };
-        let mut parts = head_parts(
+        let (method, uri, headers) = head_parts(
             &mut ok,
             Bytes::from_static(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"),
         )
         .unwrap();
-        assert_eq!(parts.uri.path(), "/v1/models");
-        assert!(parts.headers.is_empty());
-        assert_eq!(Headers::take(&mut parts).get("host"), Some(&b"x"[..]));
+        assert_eq!((method, uri.path()), (Method::GET, "/v1/models"));
+        assert_eq!(headers.get("host"), Some(&b"x"[..]));
     }
 
     /// [`check_head`] over seeded random heads: valid ones with bytes changed, cut or

@@ -14,13 +14,12 @@
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
-use http::request::Parts;
 
 /// Where a header's name and value lie in its head's bytes.
 pub(crate) type Place = ((usize, usize), (usize, usize));
 
 /// A message's headers, in the order they were sent.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub(crate) enum Headers {
     /// As an HTTP/1.1 head brought them: its bytes and the places of its headers.
     Raw { bytes: Bytes, at: Vec<Place> },
@@ -35,12 +34,21 @@ impl Default for Headers {
 }
 
 impl Headers {
-    /// A client request's headers, taken out of its parts: the head the data port's HTTP/1.1
-    /// path put in its extensions (its map left empty), else the map hyper filled.
-    pub fn take(parts: &mut Parts) -> Self {
-        match parts.extensions.remove::<Headers>() {
-            Some(raw) => raw,
-            None => Headers::Map(std::mem::take(&mut parts.headers)),
+    /// The headers as a map (a raw head's made into one; none is left out, `httparse`
+    /// having checked them as a map would).
+    pub fn into_map(self) -> HeaderMap {
+        match self {
+            Headers::Map(m) => m,
+            Headers::Raw { .. } => {
+                let mut m = HeaderMap::with_capacity(self.count());
+                for (n, v) in self.iter() {
+                    if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(n), HeaderValue::from_bytes(v))
+                    {
+                        m.append(n, v);
+                    }
+                }
+                m
+            }
         }
     }
 
@@ -128,11 +136,10 @@ impl Headers {
     }
 }
 
-/// A response's headers already in wire form, carried in its extensions with its header map
-/// left empty: a replica's end-to-end headers go to the client without being made into a map
-/// on the way. The data port's HTTP/1.1 path writes them as they are; hyper's path turns them
-/// back into a map first ([`WireHeaders::into_map`]).
-#[derive(Clone, Debug, Default)]
+/// A response's headers already in wire form: a replica's end-to-end headers go to the client
+/// without being made into a map on the way. The data port's HTTP/1.1 path writes them as
+/// they are; hyper's path turns them back into a map first ([`WireHeaders::into_map`]).
+#[derive(Debug, Default)]
 pub(crate) struct WireHeaders {
     /// `name: value\r\n` lines, none of them `Content-Length`, `Transfer-Encoding` or
     /// `Connection` (the writer frames the body and says whether the connection closes).
@@ -234,5 +241,8 @@ mod tests {
         assert_eq!(values(&raw), [b"1", b"2", b"3"]);
         assert_eq!(values(&map), [b"1", b"3", b"2"]);
         assert_eq!(raw.iter().next().map(|(n, _)| n), Some(&b"X-A"[..]));
+        // Made into a map, a raw head's headers are the map's.
+        let Headers::Map(m) = map else { unreachable!() };
+        assert_eq!(raw.into_map(), m);
     }
 }

@@ -28,14 +28,10 @@ use crate::decide::{self, Api};
 use crate::error::{json_response, RequestError};
 use crate::fleet::Fleet;
 use crate::forward::{forward, Accounting, Forward};
-use crate::h1::ReqBody;
-use crate::heads::Headers;
+use crate::h1::{Answer, Req};
 use crate::metrics::RequestLabels;
 use crate::upstream::Upstream;
 use crate::warming;
-
-/// A request as either HTTP/1 path hands it over (its body read by [`read_body`], never boxed).
-type Request = http::Request<ReqBody>;
 
 /// What the data port's handlers share: the fleet, and the upstream client of the thread
 /// they run on.
@@ -54,53 +50,60 @@ impl Data {
 /// The data port's paths, matched here rather than by a router (see [`App`]): exact paths
 /// only, a path's other methods answered 405 with `Allow`, anything else passed through.
 impl App for Data {
-    fn call(&self, req: Request) -> impl Future<Output = Response> + Send + use<> {
+    fn call(&self, req: Req) -> impl Future<Output = Answer> + Send + use<> {
         let data = self.clone();
         async move {
-            let m = req.method();
-            match req.uri().path() {
+            let m = &req.method;
+            match req.uri.path() {
                 "/v1/completions" if m == Method::POST => routed(data, Api::Completions, req).await,
                 "/v1/chat/completions" if m == Method::POST => routed(data, Api::Chat, req).await,
-                "/v1/models" if m == Method::GET || m == Method::HEAD => models(data).await,
+                "/v1/models" if m == Method::GET || m == Method::HEAD => models(data).await.into(),
                 "/v1/completions" => {
-                    not_allowed(&data, &req, Api::Completions.route_label(), "POST")
+                    not_allowed(&data, &req, Api::Completions.route_label(), "POST").into()
                 }
-                "/v1/chat/completions" => not_allowed(&data, &req, Api::Chat.route_label(), "POST"),
-                "/v1/models" => not_allowed(&data, &req, "models", "GET,HEAD"),
+                "/v1/chat/completions" => {
+                    not_allowed(&data, &req, Api::Chat.route_label(), "POST").into()
+                }
+                "/v1/models" => not_allowed(&data, &req, "models", "GET,HEAD").into(),
                 _ => passthrough(data, req).await,
             }
         }
     }
 }
 
-fn not_allowed(data: &Data, req: &Request, route: &'static str, allow: &'static str) -> Response {
+fn not_allowed(data: &Data, req: &Req, route: &'static str, allow: &'static str) -> Response {
     let err = RequestError::MethodNotAllowed {
-        method: req.method().clone(),
+        method: req.method.clone(),
         allow,
     };
     reject(&data.fleet, route, err)
 }
 
 /// A request the pool's policy places.
-async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Response {
+async fn routed(Data { fleet, upstream }: Data, api: Api, req: Req) -> Answer {
     let start = Instant::now();
     let label = api.route_label();
-    let (mut parts, body) = match read_body(&fleet, "data", req).await {
+    let Req {
+        method,
+        uri,
+        headers,
+        body,
+    } = req;
+    let body = match read_body(&fleet, "data", body).await {
         Ok(x) => x,
-        Err(e) => return reject(&fleet, label, e),
+        Err(e) => return reject(&fleet, label, e).into(),
     };
-    let headers = Headers::take(&mut parts);
     let looked = match decide::lookup(&fleet, api, &body) {
         Ok(l) => l,
-        Err(e) => return reject(&fleet, label, e),
+        Err(e) => return reject(&fleet, label, e).into(),
     };
     let admitted = match decide::admit(&fleet, looked.pool, None).await {
         Ok(a) => a,
-        Err(e) => return reject(&fleet, label, e),
+        Err(e) => return reject(&fleet, label, e).into(),
     };
     let prepared = match decide::prepare_looked(&fleet, looked, &headers, false) {
         Ok(p) => p,
-        Err(e) => return reject(&fleet, label, e),
+        Err(e) => return reject(&fleet, label, e).into(),
     };
     let mut routed = decide::route(
         &fleet,
@@ -113,8 +116,8 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         route: label,
         pool: pool.clone(),
         accounting: Accounting::Routed { prompt_tokens },
-        method: parts.method.clone(),
-        path_and_query: path_and_query(&parts),
+        method,
+        path_and_query: path_and_query(&uri),
         headers,
         body,
         start,
@@ -127,7 +130,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
     };
     match forward(&fleet, &upstream, fwd, &routed.targets, observe).await {
         Ok((resp, used)) => {
-            let answered = resp.status() != StatusCode::SERVICE_UNAVAILABLE;
+            let answered = resp.status != StatusCode::SERVICE_UNAVAILABLE;
             if let Some(t) = routed.targets.get(used).filter(|_| answered) {
                 pool.count_routed(prompt_tokens, t.predicted_cached);
             }
@@ -136,7 +139,7 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Request) -> Respo
         }
         Err(e) => {
             decide::landed(&fleet, &mut routed, None);
-            reject(&fleet, label, e)
+            reject(&fleet, label, e).into()
         }
     }
 }
@@ -173,14 +176,19 @@ struct ModelOnly {
 }
 
 /// Any other path: to the least loaded replica of the request's pool.
-async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
+async fn passthrough(Data { fleet, upstream }: Data, req: Req) -> Answer {
     let start = Instant::now();
-    let route = route_label(req.uri().path());
-    let (mut parts, body) = match read_body(&fleet, "data", req).await {
+    let route = route_label(req.uri.path());
+    let Req {
+        method,
+        uri,
+        headers,
+        body,
+    } = req;
+    let body = match read_body(&fleet, "data", body).await {
         Ok(x) => x,
-        Err(e) => return reject(&fleet, route, e),
+        Err(e) => return reject(&fleet, route, e).into(),
     };
-    let headers = Headers::take(&mut parts);
     let model = if body.first() == Some(&b'{') {
         serde_json::from_slice::<ModelOnly>(&body)
             .ok()
@@ -190,19 +198,19 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
     };
     let pool = match fleet.lookup(model.as_deref()) {
         Ok((p, _)) => p.clone(),
-        Err(e) => return reject(&fleet, route, e),
+        Err(e) => return reject(&fleet, route, e).into(),
     };
     let admitted = match decide::admit(&fleet, &pool, None).await {
         Ok(a) => a,
-        Err(e) => return reject(&fleet, route, e),
+        Err(e) => return reject(&fleet, route, e).into(),
     };
     let targets = decide::by_load(&pool, None);
     let fwd = Forward {
         route,
         pool,
         accounting: Accounting::Passthrough,
-        method: parts.method.clone(),
-        path_and_query: path_and_query(&parts),
+        method,
+        path_and_query: path_and_query(&uri),
         headers,
         body,
         start,
@@ -210,7 +218,7 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Request) -> Response {
     };
     match forward(&fleet, &upstream, fwd, &targets, Vec::new).await {
         Ok((resp, _)) => resp,
-        Err(e) => reject(&fleet, route, e),
+        Err(e) => reject(&fleet, route, e).into(),
     }
 }
 
