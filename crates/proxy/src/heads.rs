@@ -4,9 +4,11 @@
 //! for the client ([`WireHeaders`]).
 //!
 //! Why: the router forwards headers it does not read. It built a map for each head, cloned the
-//! client's for the replica and wrote both out again; carried as bytes instead, a request
-//! costs the data plane 6.9 % fewer instructions on the developers' workload and 4.3 % fewer
-//! on chat, and the router 3.3 % and 3.2 % less CPU (BENCHMARKS.md, "2026-12-07, afternoon").
+//! client's for the replica and wrote both out again. Carried as bytes instead (with the ports'
+//! own request and response types, `h1::Req` and `h1::Answer`, and the idle pool's cheaper
+//! key), a request costs the data plane 9.2 % fewer instructions on the developers' workload
+//! and 5.9 % fewer on chat, and the router 5.2 % and 4.1 % less CPU (BENCHMARKS.md,
+//! "2026-12-07, afternoon").
 //!
 //! Invariants: a raw head's places lie inside its bytes (they come from `httparse`, which also
 //! checked every name and value, so each is one an `http` map would take); names keep the case
