@@ -20,7 +20,6 @@ use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::HeaderValue;
 #[cfg(doc)]
 use kinference_policy::Shadow;
 use kinference_policy::{Applied, Candidate, Decision, RequestCtx};
@@ -219,8 +218,10 @@ pub(crate) fn prepare_looked(
         .session_header
         .as_ref()
         .and_then(|h| headers.header(h.as_str()))
-        .and_then(|v| HeaderValue::from_bytes(v).ok())
-        .and_then(|v| v.to_str().ok().map(str::to_owned));
+        // Visible ASCII only, as `HeaderValue::to_str` takes it.
+        .filter(|v| v.iter().all(|&b| b == b'\t' || (b' '..=b'~').contains(&b)))
+        .and_then(|v| std::str::from_utf8(v).ok())
+        .map(str::to_owned);
     Ok(Prepared {
         pool: pool.clone(),
         rules,

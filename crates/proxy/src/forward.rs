@@ -172,7 +172,7 @@ async fn attempt(
         method: &req.method,
         path_and_query: &req.path_and_query,
         headers: &req.headers,
-        body: req.body.clone(),
+        body: &req.body,
         rank: t.pin_rank.then_some(t.rank),
     };
     let first_byte = settings.timeouts.first_byte();
@@ -208,7 +208,7 @@ async fn attempt(
             })
         }
         Ok(Ok(resp)) => {
-            if resp.status() == StatusCode::SERVICE_UNAVAILABLE && more {
+            if resp.status == StatusCode::SERVICE_UNAVAILABLE && more {
                 fail_count(fleet, &t.replica, "unavailable");
                 count_retry(fleet, req, "unavailable");
                 failures.push(format!("{}: answered 503", t.replica.url()));

@@ -29,12 +29,6 @@ pub(crate) enum Headers {
     Map(HeaderMap),
 }
 
-impl Default for Headers {
-    fn default() -> Self {
-        Headers::Map(HeaderMap::new())
-    }
-}
-
 impl Headers {
     /// The headers as a map (a raw head's made into one; none is left out, `httparse`
     /// having checked them as a map would).

@@ -140,7 +140,7 @@ impl Links {
         authority: &Authority,
         head_only: bool,
         write_head: impl FnOnce(&mut Vec<u8>),
-        body: Bytes,
+        body: &[u8],
         written: impl FnOnce(),
     ) -> Result<Reply, LinkError> {
         // A connection just checked and idle cannot be cancelled before the request is
@@ -150,7 +150,7 @@ impl Links {
             Some(link) => link,
             None => self.connect(authority).await?,
         };
-        write_request(&link.tcp, &mut link.head, write_head, &body).await?;
+        write_request(&link.tcp, &mut link.head, write_head, body).await?;
         written();
         let (status, headers, framing, reusable) = read_head(&mut link, head_only).await?;
         let mut body = H1Body {
@@ -504,16 +504,6 @@ pub(crate) struct Reply {
     pub body: LinkBody,
 }
 
-impl Reply {
-    pub fn status(&self) -> StatusCode {
-        self.status
-    }
-
-    pub fn into_body(self) -> LinkBody {
-        self.body
-    }
-}
-
 /// A response body that drives its connection, and gives it back to the pool when the body
 /// was read to the end.
 pub(crate) struct LinkBody(Kind);
@@ -787,11 +777,11 @@ mod tests {
 
     async fn read_all(links: &Links, authority: &Authority) -> String {
         let resp = links
-            .send(authority, false, get(authority), Bytes::new(), || ())
+            .send(authority, false, get(authority), &[], || ())
             .await
             .unwrap();
-        assert_eq!(resp.status(), 200);
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(resp.status, 200);
+        let body = resp.body.collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
     }
 
@@ -828,8 +818,8 @@ mod tests {
 
     async fn read_all_h2(links: &Links, authority: &Authority) -> String {
         let resp = links.send_h2(authority, request(authority)).await.unwrap();
-        assert_eq!(resp.status(), 200);
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(resp.status, 200);
+        let body = resp.body.collect().await.unwrap().to_bytes();
         String::from_utf8(body.to_vec()).unwrap()
     }
 
@@ -932,7 +922,7 @@ mod tests {
         let (authority, accepted) = replica("a longer answer", false).await;
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         let resp = links
-            .send(&authority, false, get(&authority), Bytes::new(), || ())
+            .send(&authority, false, get(&authority), &[], || ())
             .await
             .unwrap();
         drop(resp);
@@ -1067,16 +1057,16 @@ mod tests {
                 // Bodies read to the close need the replica to close: it does when the next
                 // request finds the connection gone, so each is read on its own connection.
                 let resp = links
-                    .send(&authority, false, get(&authority), Bytes::new(), || ())
+                    .send(&authority, false, get(&authority), &[], || ())
                     .await
                     .unwrap();
                 if body == "to the end" {
-                    let mut b = resp.into_body();
+                    let mut b = resp.body;
                     let frame = b.frame().await.unwrap().unwrap().into_data().unwrap();
                     assert_eq!(&frame[..], body.as_bytes());
                     continue;
                 }
-                let got = resp.into_body().collect().await.unwrap().to_bytes();
+                let got = resp.body.collect().await.unwrap().to_bytes();
                 assert_eq!(&got[..], body.as_bytes());
             }
             assert_eq!(accepted.load(Ordering::SeqCst), connections, "{body}");
@@ -1091,17 +1081,11 @@ mod tests {
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         for _ in 0..2 {
             let resp = links
-                .send(&authority, true, head(&authority), Bytes::new(), || ())
+                .send(&authority, true, head(&authority), &[], || ())
                 .await
                 .unwrap();
             assert_eq!(resp.headers.get("content-length"), Some(&b"9"[..]));
-            assert!(resp
-                .into_body()
-                .collect()
-                .await
-                .unwrap()
-                .to_bytes()
-                .is_empty());
+            assert!(resp.body.collect().await.unwrap().to_bytes().is_empty());
         }
         assert_eq!(accepted.load(Ordering::SeqCst), 1);
     }
@@ -1114,9 +1098,7 @@ mod tests {
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         let mut written = false;
         let err = links
-            .send(&authority, false, get(&authority), Bytes::new(), || {
-                written = true
-            })
+            .send(&authority, false, get(&authority), &[], || written = true)
             .await
             .unwrap_err();
         assert!(err.is_connect(), "{err}");
@@ -1148,7 +1130,7 @@ mod tests {
         let links = Links::new(Duration::from_secs(2), Duration::from_secs(60));
         let mut go = Some(go);
         let mut runs = 0;
-        let sent = links.send(&authority, false, get(&authority), Bytes::new(), || {
+        let sent = links.send(&authority, false, get(&authority), &[], || {
             runs += 1;
             go.take().unwrap().send(()).unwrap();
         });
@@ -1157,7 +1139,7 @@ mod tests {
             .expect("the answer waited for `written`, which never ran")
             .unwrap();
         assert_eq!(runs, 1);
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let body = resp.body.collect().await.unwrap().to_bytes();
         assert_eq!(&body[..], b"ok");
         let got = replica.await.unwrap();
         assert!(got.starts_with(b"GET /x HTTP/1.1\r\n"), "{got:?}");

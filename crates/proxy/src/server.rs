@@ -59,19 +59,17 @@ impl App for Data {
                 "/v1/chat/completions" if m == Method::POST => routed(data, Api::Chat, req).await,
                 "/v1/models" if m == Method::GET || m == Method::HEAD => models(data).await.into(),
                 "/v1/completions" => {
-                    not_allowed(&data, &req, Api::Completions.route_label(), "POST").into()
+                    not_allowed(&data, &req, Api::Completions.route_label(), "POST")
                 }
-                "/v1/chat/completions" => {
-                    not_allowed(&data, &req, Api::Chat.route_label(), "POST").into()
-                }
-                "/v1/models" => not_allowed(&data, &req, "models", "GET,HEAD").into(),
+                "/v1/chat/completions" => not_allowed(&data, &req, Api::Chat.route_label(), "POST"),
+                "/v1/models" => not_allowed(&data, &req, "models", "GET,HEAD"),
                 _ => passthrough(data, req).await,
             }
         }
     }
 }
 
-fn not_allowed(data: &Data, req: &Req, route: &'static str, allow: &'static str) -> Response {
+fn not_allowed(data: &Data, req: &Req, route: &'static str, allow: &'static str) -> Answer {
     let err = RequestError::MethodNotAllowed {
         method: req.method.clone(),
         allow,
@@ -91,19 +89,19 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Req) -> Answer {
     } = req;
     let body = match read_body(&fleet, "data", body).await {
         Ok(x) => x,
-        Err(e) => return reject(&fleet, label, e).into(),
+        Err(e) => return reject(&fleet, label, e),
     };
     let looked = match decide::lookup(&fleet, api, &body) {
         Ok(l) => l,
-        Err(e) => return reject(&fleet, label, e).into(),
+        Err(e) => return reject(&fleet, label, e),
     };
     let admitted = match decide::admit(&fleet, looked.pool, None).await {
         Ok(a) => a,
-        Err(e) => return reject(&fleet, label, e).into(),
+        Err(e) => return reject(&fleet, label, e),
     };
     let prepared = match decide::prepare_looked(&fleet, looked, &headers, false) {
         Ok(p) => p,
-        Err(e) => return reject(&fleet, label, e).into(),
+        Err(e) => return reject(&fleet, label, e),
     };
     let mut routed = decide::route(
         &fleet,
@@ -139,15 +137,15 @@ async fn routed(Data { fleet, upstream }: Data, api: Api, req: Req) -> Answer {
         }
         Err(e) => {
             decide::landed(&fleet, &mut routed, None);
-            reject(&fleet, label, e).into()
+            reject(&fleet, label, e)
         }
     }
 }
 
 /// Answers a request with the router's own error, and counts it.
-fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> Response {
+fn reject(fleet: &Fleet, route: &'static str, err: RequestError) -> Answer {
     decide::count_rejected(fleet, route, &err);
-    err.into_response()
+    err.into_response().into()
 }
 
 /// The `route` label of a passed-through path (a fixed set: paths are not labels).
@@ -187,7 +185,7 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Req) -> Answer {
     } = req;
     let body = match read_body(&fleet, "data", body).await {
         Ok(x) => x,
-        Err(e) => return reject(&fleet, route, e).into(),
+        Err(e) => return reject(&fleet, route, e),
     };
     let model = if body.first() == Some(&b'{') {
         serde_json::from_slice::<ModelOnly>(&body)
@@ -198,11 +196,11 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Req) -> Answer {
     };
     let pool = match fleet.lookup(model.as_deref()) {
         Ok((p, _)) => p.clone(),
-        Err(e) => return reject(&fleet, route, e).into(),
+        Err(e) => return reject(&fleet, route, e),
     };
     let admitted = match decide::admit(&fleet, &pool, None).await {
         Ok(a) => a,
-        Err(e) => return reject(&fleet, route, e).into(),
+        Err(e) => return reject(&fleet, route, e),
     };
     let targets = decide::by_load(&pool, None);
     let fwd = Forward {
@@ -218,7 +216,7 @@ async fn passthrough(Data { fleet, upstream }: Data, req: Req) -> Answer {
     };
     match forward(&fleet, &upstream, fwd, &targets, Vec::new).await {
         Ok((resp, _)) => resp,
-        Err(e) => reject(&fleet, route, e).into(),
+        Err(e) => reject(&fleet, route, e),
     }
 }
 

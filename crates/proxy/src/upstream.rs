@@ -91,13 +91,7 @@ impl Upstream {
         let head_only = req.method == Method::HEAD;
         let head = |out: &mut Vec<u8>| write_head(out, req, endpoint);
         Ok(links
-            .send(
-                &endpoint.authority,
-                head_only,
-                head,
-                req.body.clone(),
-                written,
-            )
+            .send(&endpoint.authority, head_only, head, req.body, written)
             .await?)
     }
 
@@ -263,7 +257,7 @@ pub(crate) struct Outgoing<'a> {
     pub method: &'a Method,
     pub path_and_query: &'a PathAndQuery,
     pub headers: &'a Headers,
-    pub body: Bytes,
+    pub body: &'a Bytes,
     pub rank: Option<usize>,
 }
 
@@ -497,12 +491,13 @@ mod tests {
         ];
         let plain = Endpoint::parse("http://10.0.0.1:8000").unwrap();
         let prefixed = Endpoint::parse("http://10.0.0.1:8000/base").unwrap();
+        let body = Bytes::from_static(b"{}");
         for (client, auth) in [(raw(&sent), "Authorization"), (map(&sent), "authorization")] {
             let req = |method, rank| Outgoing {
                 method,
                 path_and_query: &pq,
                 headers: &client,
-                body: Bytes::from_static(b"{}"),
+                body: &body,
                 rank,
             };
             let h1 = |req: &Outgoing<'_>, endpoint: &Endpoint| {
@@ -549,7 +544,7 @@ mod tests {
 
             // A bodiless GET says no length.
             let get = Outgoing {
-                body: Bytes::new(),
+                body: &Bytes::new(),
                 ..req(&Method::GET, None)
             };
             assert_eq!(

@@ -123,15 +123,15 @@ pub(crate) fn spawn(
                 method: &Method::POST,
                 path_and_query: &PathAndQuery::from_static("/v1/completions"),
                 headers: &Headers::Map(headers),
-                body,
+                body: &body,
                 rank: pinned,
             };
             let resp = upstream
                 .send(&replica.endpoint, &req, || ())
                 .await
                 .map_err(|e| error_chain(&e))?;
-            let status = resp.status();
-            let bytes = Limited::new(resp.into_body(), RESPONSE_LIMIT)
+            let status = resp.status;
+            let bytes = Limited::new(resp.body, RESPONSE_LIMIT)
                 .collect()
                 .await
                 .map_err(|e| e.to_string())?
