@@ -91,9 +91,10 @@ impl LinkError {
 }
 
 /// A map by replica authority, keyed by its text as configured. `Authority` itself hashes and
-/// compares byte by byte, case-folded (about 1,000 instructions a request for the two lookups
-/// of a checkout and a checkin, even with ahash); the text hashes and compares a word at a
-/// time, and one replica's authority is always the same text (it comes from its endpoint).
+/// compares byte by byte, case-folded (its comparisons and a checkin's entry lookup took about
+/// 1,100 instructions a request even with ahash: BENCHMARKS.md, 2026-12-07, afternoon); the
+/// text hashes and compares a word at a time, and one replica's authority is always the same
+/// text (it comes from its endpoint).
 /// ahash rather than std's SipHash: the keys are the configured replicas, not client input.
 type ByAuthority<V> = HashMap<Box<str>, V, ahash::RandomState>;
 
