@@ -35,7 +35,8 @@
 # raw output under the results directory, kinference's /metrics before and after each of its
 # cells among them (the page after a round's last cell, `kinference.rN.chat1.metrics1.txt`, holds
 # all the round counted); from those, a last line gives the router's own request duration at one
-# connection (its histogram) beside wrk's. Every process it starts is stopped on exit.
+# connection (its histogram) beside wrk's. Another line splits each router's CPU per request at
+# 32 connections into user and system time (/proc/PID/stat's utime and stime). Every process it starts is stopped on exit.
 #
 # usage: scripts/router-latency.sh [BINARY]
 #   BINARY is a built `kinference`; without it, `cargo build --release -p kinference` builds
@@ -259,7 +260,8 @@ if [ "$WORKLOAD" = chat ]; then
   python3 "$HERE/lib/chat_bodies.py" "$CHAT_BODIES" || die "could not write the chat requests"
 fi
 
-# utime+stime (clock ticks) of a process and its descendants
+# utime+stime (clock ticks) of a process and its descendants; with a second argument `sys`,
+# stime alone (the kernel's share: socket work, wake-ups, scheduling)
 proc_ticks() {
   local pid total=0 stat f
   # shellcheck disable=SC2046 # descendants prints a list of pids
@@ -267,7 +269,7 @@ proc_ticks() {
     stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
     stat=${stat##*) }
     read -r -a f <<<"$stat"
-    total=$(( total + f[11] + f[12] ))
+    if [ "${2:-}" = sys ]; then total=$(( total + f[12] )); else total=$(( total + f[11] + f[12] )); fi
   done
   echo "$total"
 }
@@ -406,12 +408,12 @@ start_target() { # TARGET ROUND -> sets TARGET_URL, ROUTER_PID
   fi
 }
 
-cell_json() { # TARGET ROUND PAIR CELL CONNS RAWFILE ROUTER_TICKS SIM_TICKS LOAD
+cell_json() { # TARGET ROUND PAIR CELL CONNS RAWFILE ROUTER_TICKS SIM_TICKS LOAD ROUTER_SYS_TICKS
   local res
   res=$(sed -n 's/^RESULT //p' "$6")
   [ -n "$res" ] || die "wrk printed no RESULT line in $6"
-  printf '{"target":"%s","round":%d,"pair":"%s","cell":"%s","conns":%d,"router_ticks":%d,"sim_ticks":%d,"clk_tck":%d,"load":%s,"wrk":%s}\n' \
-    "$1" "$2" "$3" "$4" "$5" "$7" "$8" "$CLK_TCK" "$9" "$res"
+  printf '{"target":"%s","round":%d,"pair":"%s","cell":"%s","conns":%d,"router_ticks":%d,"router_sys_ticks":%d,"sim_ticks":%d,"clk_tck":%d,"load":%s,"wrk":%s}\n' \
+    "$1" "$2" "$3" "$4" "$5" "$7" "${10}" "$8" "$CLK_TCK" "$9" "$res"
 }
 
 run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE [ADDRS]
@@ -424,11 +426,11 @@ run_wrk() { # URL CONNS DURATION MODE TAG RAWFILE [ADDRS]
 }
 
 run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
-  local t=$1 round=$2 pair=$3 prefix=$4 cell=$5 conns=$6 mode=$7 addrs=${8:-} raw r0 s0 r1 s1 load
+  local t=$1 round=$2 pair=$3 prefix=$4 cell=$5 conns=$6 mode=$7 addrs=${8:-} raw r0 s0 r1 s1 k0 k1 load
   raw=$prefix.$cell.txt
   load=$(cut -d' ' -f1 /proc/loadavg)
-  r0=0 r1=0
-  [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID")
+  r0=0 r1=0 k0=0 k1=0
+  [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID") && k0=$(proc_ticks "$ROUTER_PID" sys)
   s0=$(proc_ticks "$SIM_PID")
   local perf_pid=""
   if [ -n "${PERF_RECORD:-}" ] && [ -n "$ROUTER_PID" ] && [ "$cell" = "${PERF_CELL:-c32}" ]; then
@@ -445,11 +447,11 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.$cell.metrics0.txt" 2>/dev/null || true; }
   run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw" "$addrs"
   [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.$cell.metrics1.txt" 2>/dev/null || true; }
-  [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID")
+  [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID") && k1=$(proc_ticks "$ROUTER_PID" sys)
   s1=$(proc_ticks "$SIM_PID")
   if [ -n "$perf_pid" ]; then kill -INT "$perf_pid" 2>/dev/null; wait "$perf_pid" 2>/dev/null || true; fi
   if [ -n "$sim_perf_pid" ]; then kill -INT "$sim_perf_pid" 2>/dev/null; wait "$sim_perf_pid" 2>/dev/null || true; fi
-  cell_json "$t" "$round" "$pair" "$cell" "$conns" "$raw" $(( r1 - r0 )) $(( s1 - s0 )) "$load" >>"$CELLS"
+  cell_json "$t" "$round" "$pair" "$cell" "$conns" "$raw" $(( r1 - r0 )) $(( s1 - s0 )) "$load" $(( k1 - k0 )) >>"$CELLS"
   log "$t round $round $cell: $(grep -E '^Requests/sec' "$raw" | tr -s ' ') p50 $(awk '$1 == "50%" {print $2; exit}' "$raw") p99 $(awk '$1 == "99%" {print $2; exit}' "$raw")$(grep -E 'Non-2xx|Socket errors' "$raw" | tr '\n' ' ' | sed 's/^/ /')"
 }
 
@@ -640,6 +642,15 @@ if len(rounds) > 1:
     table(f"Ranges over {len(rounds)} rounds:", rounds)
 loads = [r["load"] for r in rows]
 print(f"\n1-minute load average during the cells: {min(loads):.2f}–{max(loads):.2f}")
+# Where each router's CPU at 32 connections went: its own code (user) or the kernel's socket
+# work, wake-ups and scheduling on its behalf (system). Older cells.jsonl lack the split.
+split = []
+for r in rows:
+    if r["cell"] == "c32" and r["target"] != "direct" and "router_sys_ticks" in r and r["wrk"]["requests"]:
+        total, kern = cpu_ms(r), cpu_ms(r, "router_sys_ticks")
+        split.append(f"{r['target']} r{r['round']} {1000 * (total - kern):.1f} + {1000 * kern:.1f}")
+if split:
+    print("router CPU per request at 32 connections, user + system, µs: " + "; ".join(split))
 def samples(path, name, label):
     """One metric's samples in a /metrics file, summed by the value of `label` over the other
     labels; None when the file cannot be read."""

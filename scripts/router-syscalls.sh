@@ -5,7 +5,8 @@
 # process, --speedup 100000), the router with --policy precise in front, wrk at 32 connections
 # with the developers' workload (8 shared ~4,000-character prefixes and a unique tail;
 # WORKLOAD=chat: router-latency.sh's real conversations). A
-# warm-up of WARMUP, then DURATION counted. Prints each counted call per request and the total.
+# warm-up of WARMUP, then DURATION counted. Prints each counted call per request and the total,
+# then page faults, context switches and CPU migrations per request.
 #
 # Needs perf with access to the syscalls tracepoints (root, or kernel.perf_event_paranoid
 # low enough), wrk and curl.
@@ -35,10 +36,14 @@ start_bench_fleet "$BIN" "$TOKENIZER" "$OUT"
 
 CALLS=(epoll_wait recvfrom writev poll sendto futex sched_yield)
 EVENTS=$(printf 'syscalls:sys_enter_%s,' "${CALLS[@]}")raw_syscalls:sys_enter
+# The kernel's work for the router beyond its calls: faults (the allocator returning and
+# taking back pages) and scheduling.
+EVENTS+=,page-faults,context-switches,cpu-migrations
 bench_count sys stat -x, -o "$OUT/perf.csv" -e "$EVENTS"
 echo "binary: $BIN"
 echo "requests: $REQUESTS (wrk, 32 connections, $DURATION)"
 awk -F, -v n="$REQUESTS" '$3 ~ /sys_enter/ {
   name = $3; sub(/.*sys_enter_?/, "", name); if (name == "") name = "all system calls";
-  printf "%-18s %8.2f per request\n", name, $1 / n }' "$OUT/perf.csv"
+  printf "%-18s %8.2f per request\n", name, $1 / n }
+  $3 ~ /^(page-faults|context-switches|cpu-migrations)$/ { printf "%-18s %8.2f per request\n", $3, $1 / n }' "$OUT/perf.csv"
 echo "raw outputs: $OUT"
