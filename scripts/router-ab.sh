@@ -3,8 +3,9 @@
 # scripts/router-latency.sh with TARGETS=kinference and one round, run for both builds PAIRS
 # times, A first in odd pairs and B first in even ones (A B, B A, A B, ...), so that the
 # machine's drift over the minutes falls on both builds alike, and so does the order within a
-# pair (on a 2-vCPU virtual machine the second run of a pair measured several microseconds
-# slower whichever build it was: BENCHMARKS.md, "a new machine"). Use an even PAIRS.
+# pair (on a 2-vCPU virtual machine the second run of a pair was the slower one in 14 pairs of
+# 21, by 2.9 us on average, whichever build it was: BENCHMARKS.md, "a new machine"). Use an
+# even PAIRS.
 # A change of a few percent in the router's CPU per request is inside the spread of separate
 # runs on a small shared machine; alternated, it shows as a difference between the builds'
 # means. Prints each run's CPU per request and requests/s (the 32-connection cell, from its
