@@ -36,7 +36,8 @@
 # cells among them (the page after a round's last cell, `kinference.rN.chat1.metrics1.txt`, holds
 # all the round counted); from those, a last line gives the router's own request duration at one
 # connection (its histogram) beside wrk's. Another line splits each router's CPU per request at
-# 32 connections into user and system time (/proc/PID/stat's utime and stime). Every process it starts is stopped on exit.
+# 32 connections into user and system time (/proc/PID/stat's utime and stime). Every process it
+# starts is stopped on exit.
 #
 # usage: scripts/router-latency.sh [BINARY]
 #   BINARY is a built `kinference`; without it, `cargo build --release -p kinference` builds

@@ -1,8 +1,8 @@
 """cells.py - what router-latency.sh measured in one cell, read from a line of its cells.jsonl.
 
 A cell is one wrk run against one target: {"target", "round", "pair", "cell", "conns",
-"router_ticks", "router_sys_ticks" (the kernel's part of router_ticks), "sim_ticks", "clk_tck", "load", "wrk": {"requests", "duration_us",
-"errors_*", "p50_us", ...}}. router-latency.sh writes them; it and router-ab.sh read them here.
+"router_ticks", "router_sys_ticks" (the kernel's part of router_ticks), "sim_ticks", "clk_tck",
+"load", "wrk": {"requests", "duration_us", "errors_*", "p50_us", ...}}. router-latency.sh writes them; it and router-ab.sh read them here.
 
 >>> r = {"router_ticks": 60, "sim_ticks": 90, "clk_tck": 100,
 ...      "wrk": {"requests": 30000, "duration_us": 6000000, "errors_connect": 0,
