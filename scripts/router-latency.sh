@@ -261,18 +261,18 @@ if [ "$WORKLOAD" = chat ]; then
   python3 "$HERE/lib/chat_bodies.py" "$CHAT_BODIES" || die "could not write the chat requests"
 fi
 
-# utime+stime (clock ticks) of a process and its descendants; with a second argument `sys`,
-# stime alone (the kernel's share: socket work, wake-ups, scheduling)
+# "TOTAL SYS": utime+stime and stime alone (the kernel's share: socket work, wake-ups,
+# scheduling), in clock ticks, of a process and its descendants, read in one pass
 proc_ticks() {
-  local pid total=0 stat f
+  local pid total=0 sys=0 stat f
   # shellcheck disable=SC2046 # descendants prints a list of pids
   for pid in "$1" $(descendants "$1"); do
     stat=$(cat "/proc/$pid/stat" 2>/dev/null) || continue
     stat=${stat##*) }
     read -r -a f <<<"$stat"
-    if [ "${2:-}" = sys ]; then total=$(( total + f[12] )); else total=$(( total + f[11] + f[12] )); fi
+    total=$(( total + f[11] + f[12] )) sys=$(( sys + f[12] ))
   done
-  echo "$total"
+  echo "$total $sys"
 }
 CLK_TCK=$(getconf CLK_TCK)
 
@@ -431,8 +431,8 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   raw=$prefix.$cell.txt
   load=$(cut -d' ' -f1 /proc/loadavg)
   r0=0 r1=0 k0=0 k1=0
-  [ -n "$ROUTER_PID" ] && r0=$(proc_ticks "$ROUTER_PID") && k0=$(proc_ticks "$ROUTER_PID" sys)
-  s0=$(proc_ticks "$SIM_PID")
+  [ -n "$ROUTER_PID" ] && read -r r0 k0 < <(proc_ticks "$ROUTER_PID")
+  read -r s0 _ < <(proc_ticks "$SIM_PID")
   local perf_pid=""
   if [ -n "${PERF_RECORD:-}" ] && [ -n "$ROUTER_PID" ] && [ "$cell" = "${PERF_CELL:-c32}" ]; then
     perf record -q -F 499 --call-graph dwarf -p "$(tree_pids "$ROUTER_PID")" -o "$prefix.perf.data" >/dev/null 2>&1 &
@@ -448,8 +448,8 @@ run_cell() { # TARGET ROUND PAIR FILE_PREFIX CELL CONNS MODE [ADDRS]
   [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.$cell.metrics0.txt" 2>/dev/null || true; }
   run_wrk "$TARGET_URL" "$conns" "$DURATION" "$mode" "${t//-/}r${round}${pair//-/}${cell}x$$" "$raw" "$addrs"
   [ -n "$ADMIN_URL" ] && { curl -sf "$ADMIN_URL/metrics" >"$prefix.$cell.metrics1.txt" 2>/dev/null || true; }
-  [ -n "$ROUTER_PID" ] && r1=$(proc_ticks "$ROUTER_PID") && k1=$(proc_ticks "$ROUTER_PID" sys)
-  s1=$(proc_ticks "$SIM_PID")
+  [ -n "$ROUTER_PID" ] && read -r r1 k1 < <(proc_ticks "$ROUTER_PID")
+  read -r s1 _ < <(proc_ticks "$SIM_PID")
   if [ -n "$perf_pid" ]; then kill -INT "$perf_pid" 2>/dev/null; wait "$perf_pid" 2>/dev/null || true; fi
   if [ -n "$sim_perf_pid" ]; then kill -INT "$sim_perf_pid" 2>/dev/null; wait "$sim_perf_pid" 2>/dev/null || true; fi
   cell_json "$t" "$round" "$pair" "$cell" "$conns" "$raw" $(( r1 - r0 )) $(( s1 - s0 )) "$load" $(( k1 - k0 )) >>"$CELLS"
@@ -477,7 +477,7 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
     router_addrs "$prefix.sink.err" "$sink_pid" 120 >/dev/null || die "the events sink did not start (see $prefix.sink.err)"
     # Every thread of it, once its runtimes have started them.
     [ -n "${SINK_CPUS:-}" ] && { taskset -a -p -c "$SINK_CPUS" "$sink_pid" >/dev/null || die "SINK_CPUS=$SINK_CPUS is not a usable CPU list"; }
-    sink0=$(proc_ticks "$sink_pid")
+    read -r sink0 _ < <(proc_ticks "$sink_pid")
   fi
   chat_stream_ok "$TARGET_URL" || log "warning: $t did not stream a chat completion to [DONE] in the smoke check"
   run_wrk "$TARGET_URL" "$CONNS" "$WARMUP" "$MODE" "${t//-/}r${round}${pair//-/}warm$$" "$prefix.warmup.txt"
@@ -491,7 +491,9 @@ measure() { # TARGET ROUND PAIR -> 1 when the target could not be measured
     log "warning: streamed chat straight to a replica takes over 20 ms at p50: the backend stalls (no TCP_NODELAY?), so the streaming column measures the backend, not the routers"
   fi
   if [ -n "$sink_pid" ]; then
-    log "$t round $round: the events sink used $(( $(proc_ticks "$sink_pid") - sink0 )) ticks over the target's cells"
+    local sink1
+    read -r sink1 _ < <(proc_ticks "$sink_pid")
+    log "$t round $round: the events sink used $(( sink1 - sink0 )) ticks over the target's cells"
     stop_tree "$sink_pid" 5
   fi
   [ -n "$ROUTER_PID" ] && stop_tree "$ROUTER_PID" 5
