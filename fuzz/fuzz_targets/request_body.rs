@@ -35,7 +35,10 @@ fuzz_target!(|data: &[u8]| {
     };
     let (tokenizer, hasher) = setup();
     let tokens = if api % 2 == 0 {
-        let Ok(req) = ChatRequest::from_json(body) else {
+        let parsed = ChatRequest::from_json(body);
+        let reference = ChatRequest::from_json_reference(body);
+        assert_eq!(format!("{:?}", parsed.as_ref().ok()), format!("{:?}", reference.ok()));
+        let Ok(req) = parsed else {
             return;
         };
         match tokenizer.encode_chat(&req) {
@@ -43,7 +46,10 @@ fuzz_target!(|data: &[u8]| {
             Err(_) => return,
         }
     } else {
-        let Ok(req) = CompletionRequest::from_json(body) else {
+        let parsed = CompletionRequest::from_json(body);
+        let reference = CompletionRequest::from_json_reference(body);
+        assert_eq!(format!("{:?}", parsed.as_ref().ok()), format!("{:?}", reference.ok()));
+        let Ok(req) = parsed else {
             return;
         };
         match tokenizer.encode_completion_request(&req) {

@@ -29,6 +29,7 @@ pub mod pyfmt;
 pub mod request;
 pub mod template;
 pub mod value;
+mod walk;
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;

@@ -6,11 +6,12 @@
 use std::borrow::Cow;
 use std::fmt;
 
-use crate::json::{Json, Map};
-use serde::de::{self, Deserializer, SeqAccess, Visitor};
+use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 
 use crate::error::{Result, TokenizeError};
+use crate::json::{Json, Map};
+use crate::walk::{Seen, Walker};
 
 fn default_true() -> bool {
     true
@@ -115,6 +116,14 @@ impl MessageContent<'_> {
 /// The roles of the OpenAI API: every message names one, so they are not allocated per message.
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 
+/// A role as kept: one of [`ROLES`] borrowed, any other string owned.
+fn known_role(v: &str) -> Cow<'static, str> {
+    match ROLES.iter().find(|r| **r == v) {
+        Some(r) => Cow::Borrowed(r),
+        None => Cow::Owned(v.to_owned()),
+    }
+}
+
 /// A message's role: one of [`ROLES`] borrowed, any other string owned.
 fn role<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Cow<'static, str>, D::Error> {
     struct RoleVisitor;
@@ -126,10 +135,7 @@ fn role<'de, D: Deserializer<'de>>(d: D) -> std::result::Result<Cow<'static, str
             f.write_str("a string")
         }
         fn visit_str<E>(self, v: &str) -> std::result::Result<Cow<'static, str>, E> {
-            Ok(match ROLES.iter().find(|r| **r == v) {
-                Some(r) => Cow::Borrowed(r),
-                None => Cow::Owned(v.to_owned()),
-            })
+            Ok(known_role(v))
         }
     }
 
@@ -175,30 +181,80 @@ impl<'de: 'a, 'a> Deserialize<'de> for MessageContent<'a> {
     }
 }
 
-/// Parses a JSON body whose UTF-8 is checked in one pass over all of it (SIMD where the CPU
-/// has it) instead of string by string as `serde_json::from_slice` does: the bodies are
-/// mostly message text, and checking it cost as many instructions as the rest of the scan
-/// for string ends. The same bodies are refused, invalid UTF-8 anywhere being invalid JSON.
-fn parse<'de, T: Deserialize<'de>>(body: &'de [u8]) -> Result<T> {
-    let text = match simdutf8::basic::from_utf8(body) {
-        Ok(text) => text,
-        Err(_) => {
-            // Only for the error's position.
-            let at = std::str::from_utf8(body)
-                .err()
-                .map_or(body.len(), |e| e.valid_up_to());
-            return Err(TokenizeError::InvalidRequest(format!(
-                "the request body is not valid UTF-8 (at byte {at})"
-            )));
-        }
-    };
+/// A JSON body as text, its UTF-8 checked in one pass over all of it (SIMD where the CPU has
+/// it) instead of string by string as `serde_json::from_slice` does: the bodies are mostly
+/// message text, and checking it cost as many instructions as the rest of the scan for string
+/// ends. The same bodies are refused, invalid UTF-8 anywhere being invalid JSON.
+fn utf8(body: &[u8]) -> Result<&str> {
+    simdutf8::basic::from_utf8(body).map_err(|_| {
+        // Only for the error's position.
+        let at = std::str::from_utf8(body)
+            .err()
+            .map_or(body.len(), |e| e.valid_up_to());
+        TokenizeError::InvalidRequest(format!(
+            "the request body is not valid UTF-8 (at byte {at})"
+        ))
+    })
+}
+
+/// The body read by serde_json alone: the reference [`crate::walk`] answers as, and what reads
+/// every body the walker leaves.
+fn reference<'de, T: Deserialize<'de>>(text: &'de str) -> Result<T> {
     serde_json::from_str(text).map_err(|e| TokenizeError::InvalidRequest(e.to_string()))
+}
+
+/// Reads a member's value with serde_json as the field's type, once per object.
+macro_rules! field {
+    ($w:expr, $seen:expr, $i:expr, $slot:expr) => {{
+        $seen.first($i)?;
+        $slot = $w.value()?;
+    }};
 }
 
 impl<'a> ChatRequest<'a> {
     /// Parses a request body; the request borrows message texts from it.
     pub fn from_json(body: &'a [u8]) -> Result<Self> {
-        parse(body)
+        let text = utf8(body)?;
+        Self::walk(text).map_or_else(|| reference(text), Ok)
+    }
+
+    /// [`ChatRequest::from_json`] by serde_json alone, for tests and fuzzing to compare with.
+    pub fn from_json_reference(body: &'a [u8]) -> Result<Self> {
+        reference(utf8(body)?)
+    }
+
+    /// The request as serde's derived reader reads it, or `None` (see [`crate::walk`]).
+    fn walk(text: &'a str) -> Option<Self> {
+        let mut w = Walker::new(text);
+        let mut r = ChatRequest::from_messages(Vec::new());
+        let mut seen = Seen::default();
+        w.object(|w, key| {
+            match key.as_ref() {
+                "messages" => {
+                    seen.first(0)?;
+                    w.array(|w| {
+                        r.messages.push(ChatMessage::walk(w)?);
+                        Some(())
+                    })?;
+                }
+                "tools" => field!(w, seen, 1, r.tools),
+                "tool_choice" => field!(w, seen, 2, r.tool_choice),
+                "add_generation_prompt" => field!(w, seen, 3, r.add_generation_prompt),
+                "continue_final_message" => field!(w, seen, 4, r.continue_final_message),
+                "add_special_tokens" => field!(w, seen, 5, r.add_special_tokens),
+                "chat_template_kwargs" => field!(w, seen, 6, r.chat_template_kwargs),
+                "documents" => field!(w, seen, 7, r.documents),
+                "reasoning_effort" => field!(w, seen, 8, r.reasoning_effort),
+                "chat_template" => field!(w, seen, 9, r.chat_template),
+                "model" => field!(w, seen, 10, r.model),
+                "cache_salt" => field!(w, seen, 11, r.cache_salt),
+                _ => {
+                    w.value::<IgnoredAny>()?;
+                }
+            }
+            Some(())
+        })?;
+        (seen.has(0) && w.at_end()).then_some(r)
     }
 
     /// A request with these messages and vLLM's defaults for everything else.
@@ -217,6 +273,49 @@ impl<'a> ChatRequest<'a> {
             model: None,
             cache_salt: None,
         }
+    }
+}
+
+impl<'a> ChatMessage<'a> {
+    /// One message as serde's derived reader reads it, or `None`.
+    fn walk(w: &mut Walker<'a>) -> Option<Self> {
+        let mut m = ChatMessage {
+            role: Cow::Borrowed(""),
+            content: None,
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+            reasoning: None,
+            tools: None,
+            task: None,
+        };
+        let mut seen = Seen::default();
+        w.object(|w, key| {
+            match key.as_ref() {
+                "role" => {
+                    seen.first(0)?;
+                    m.role = known_role(&w.string()?);
+                }
+                "content" => {
+                    seen.first(1)?;
+                    m.content = match w.peek()? {
+                        b'"' => Some(MessageContent::Text(w.string()?)),
+                        _ => w.value()?,
+                    };
+                }
+                "name" => field!(w, seen, 2, m.name),
+                "tool_calls" => field!(w, seen, 3, m.tool_calls),
+                "tool_call_id" => field!(w, seen, 4, m.tool_call_id),
+                "reasoning" => field!(w, seen, 5, m.reasoning),
+                "tools" => field!(w, seen, 6, m.tools),
+                "task" => field!(w, seen, 7, m.task),
+                _ => {
+                    w.value::<IgnoredAny>()?;
+                }
+            }
+            Some(())
+        })?;
+        seen.has(0).then_some(m)
     }
 }
 
@@ -367,7 +466,47 @@ pub struct CompletionRequest<'a> {
 impl<'a> CompletionRequest<'a> {
     /// Parses a request body; a text prompt borrows from it.
     pub fn from_json(body: &'a [u8]) -> Result<Self> {
-        parse(body)
+        let text = utf8(body)?;
+        Self::walk(text).map_or_else(|| reference(text), Ok)
+    }
+
+    /// [`CompletionRequest::from_json`] by serde_json alone, for tests and fuzzing to compare
+    /// with.
+    pub fn from_json_reference(body: &'a [u8]) -> Result<Self> {
+        reference(utf8(body)?)
+    }
+
+    /// The request as serde's derived reader reads it, or `None` (see [`crate::walk`]).
+    fn walk(text: &'a str) -> Option<Self> {
+        let mut w = Walker::new(text);
+        let mut prompt = None;
+        let mut r = CompletionRequest {
+            prompt: CompletionPrompt::Ids(Vec::new()),
+            add_special_tokens: true,
+            model: None,
+            cache_salt: None,
+        };
+        let mut seen = Seen::default();
+        w.object(|w, key| {
+            match key.as_ref() {
+                "prompt" => {
+                    seen.first(0)?;
+                    prompt = Some(match w.peek()? {
+                        b'"' => CompletionPrompt::Text(w.string()?),
+                        _ => w.value()?,
+                    });
+                }
+                "add_special_tokens" => field!(w, seen, 1, r.add_special_tokens),
+                "model" => field!(w, seen, 2, r.model),
+                "cache_salt" => field!(w, seen, 3, r.cache_salt),
+                _ => {
+                    w.value::<IgnoredAny>()?;
+                }
+            }
+            Some(())
+        })?;
+        r.prompt = prompt?;
+        w.at_end().then_some(r)
     }
 }
 
@@ -624,5 +763,245 @@ mod tests {
                 "{bad}: {got:?}"
             );
         }
+    }
+
+    /// The walker reads bodies as serde_json's derived readers do, or leaves them to them:
+    /// seeded random bodies of the fields both requests have, in any order, repeated, missing,
+    /// of the wrong kind, null, with escaped keys, unknown fields of every JSON kind, odd
+    /// whitespace and bytes after the body. Every body parses to the same request (or is
+    /// refused) either way, and the walker read most of them itself.
+    #[test]
+    fn bodies_read_as_serde_json_reads_them() {
+        use rand::{Rng, SeedableRng};
+        type Rng8 = rand_chacha::ChaCha8Rng;
+        /// A field's name and what writes a plausible value of it.
+        type Field = (&'static str, fn(&mut Rng8) -> String);
+        fn pick<'s>(r: &mut Rng8, xs: &[&'s str]) -> &'s str {
+            xs[r.gen_range(0..xs.len())]
+        }
+        fn text(r: &mut Rng8) -> String {
+            let pieces = [
+                "hi",
+                " ",
+                "é",
+                "😀",
+                "\\n",
+                "\\\"",
+                "\\u00e9",
+                "\\ud83d\\ude00",
+                "\\t",
+                "x",
+                "\\u0000",
+                "\\/",
+            ];
+            let n = r.gen_range(0..6);
+            let body: String = (0..n).map(|_| pick(r, &pieces)).collect();
+            format!("\"{body}\"")
+        }
+        fn any(r: &mut Rng8, depth: u32) -> String {
+            match r.gen_range(0..if depth < 2 { 9 } else { 6 }) {
+                0 => pick(r, &["0", "-1", "1.5", "1e3", "4294967296", "01", "1."]).to_owned(),
+                1 => pick(r, &["true", "false", "null", "nul"]).to_owned(),
+                2 | 3 => text(r),
+                4 => "{}".to_owned(),
+                5 => "[]".to_owned(),
+                6 => {
+                    let n = r.gen_range(0..3);
+                    let items: Vec<String> = (0..n).map(|_| any(r, depth + 1)).collect();
+                    format!("[{}]", items.join(", "))
+                }
+                _ => {
+                    let n = r.gen_range(0..3);
+                    let items: Vec<String> = (0..n)
+                        .map(|_| format!("{}: {}", text(r), any(r, depth + 1)))
+                        .collect();
+                    format!("{{{}}}", items.join(", "))
+                }
+            }
+        }
+        fn ws(r: &mut Rng8) -> &'static str {
+            pick(r, &["", "", " ", "\n\t ", "\r\n"])
+        }
+        fn object(r: &mut Rng8, members: Vec<(String, String)>) -> String {
+            let inner: Vec<String> = members
+                .into_iter()
+                .map(|(k, v)| format!("{}{k}{}:{}{v}{}", ws(r), ws(r), ws(r), ws(r)))
+                .collect();
+            format!("{{{}}}", inner.join(","))
+        }
+        fn key(r: &mut Rng8, name: &str) -> String {
+            if r.gen_bool(0.05) {
+                // The same key with its first letter escaped.
+                let mut c = name.chars();
+                let first = c.next().map_or(0, u32::from);
+                format!("\"\\u{first:04x}{}\"", c.as_str())
+            } else {
+                format!("\"{name}\"")
+            }
+        }
+        fn members(r: &mut Rng8, fields: &[Field]) -> String {
+            let mut m: Vec<(String, String)> = Vec::new();
+            for (k, v) in fields {
+                if r.gen_bool(0.85) {
+                    let value = if r.gen_bool(0.08) { any(r, 1) } else { v(r) };
+                    m.push((key(r, k), value));
+                }
+            }
+            if r.gen_bool(0.3) {
+                m.push((text(r), any(r, 0)));
+            }
+            if r.gen_bool(0.05) && !m.is_empty() {
+                let dup = m[r.gen_range(0..m.len())].clone();
+                m.push(dup);
+            }
+            let n = m.len();
+            for i in 0..n {
+                m.swap(i, r.gen_range(0..n));
+            }
+            object(r, m)
+        }
+        fn role(r: &mut Rng8) -> String {
+            pick(
+                r,
+                &[
+                    "\"user\"",
+                    "\"assistant\"",
+                    "\"system\"",
+                    "\"critic\"",
+                    "\"us\\u0065r\"",
+                ],
+            )
+            .to_owned()
+        }
+        fn content(r: &mut Rng8) -> String {
+            match r.gen_range(0..6) {
+                0 => "null".to_owned(),
+                1 => r#"[{"type": "text", "text": "part"}, "s"]"#.to_owned(),
+                _ => text(r),
+            }
+        }
+        fn json(r: &mut Rng8) -> String {
+            any(r, 0)
+        }
+        fn flag(r: &mut Rng8) -> String {
+            pick(r, &["true", "false", "null"]).to_owned()
+        }
+        fn opt_text(r: &mut Rng8) -> String {
+            if r.gen_bool(0.2) {
+                "null".to_owned()
+            } else {
+                text(r)
+            }
+        }
+        fn list(r: &mut Rng8) -> String {
+            pick(
+                r,
+                &[
+                    "[]",
+                    r#"[{"type": "function", "function": {"name": "f"}}]"#,
+                    "null",
+                ],
+            )
+            .to_owned()
+        }
+        fn kwargs(r: &mut Rng8) -> String {
+            pick(
+                r,
+                &["{}", r#"{"enable_thinking": false, "b": [1]}"#, "null"],
+            )
+            .to_owned()
+        }
+        fn message(r: &mut Rng8) -> String {
+            if r.gen_bool(0.02) {
+                return r#"["user", "as a list"]"#.to_owned();
+            }
+            let fields: [Field; 8] = [
+                ("role", role),
+                ("content", content),
+                ("name", json),
+                ("tool_calls", json),
+                ("tool_call_id", json),
+                ("reasoning", opt_text),
+                ("tools", json),
+                ("task", json),
+            ];
+            members(r, &fields)
+        }
+        fn messages(r: &mut Rng8) -> String {
+            let n = r.gen_range(0..4);
+            let items: Vec<String> = (0..n).map(|_| message(r)).collect();
+            format!("[{}]", items.join(", "))
+        }
+        fn prompt(r: &mut Rng8) -> String {
+            match r.gen_range(0..5) {
+                0 => r#"[1, 2, 3]"#.to_owned(),
+                1 => r#"["a", "b\n"]"#.to_owned(),
+                _ => text(r),
+            }
+        }
+        let chat: [Field; 12] = [
+            ("messages", messages),
+            ("tools", list),
+            ("tool_choice", json),
+            ("add_generation_prompt", flag),
+            ("continue_final_message", flag),
+            ("add_special_tokens", flag),
+            ("chat_template_kwargs", kwargs),
+            ("documents", list),
+            ("reasoning_effort", opt_text),
+            ("chat_template", opt_text),
+            ("model", opt_text),
+            ("cache_salt", opt_text),
+        ];
+        let completion: [Field; 4] = [
+            ("prompt", prompt),
+            ("add_special_tokens", flag),
+            ("model", opt_text),
+            ("cache_salt", opt_text),
+        ];
+        let mut r = Rng8::seed_from_u64(41);
+        let (mut walked, mut accepted, mut total) = (0usize, 0usize, 0usize);
+        for case in 0..40_000 {
+            let chat_case = case % 2 == 0;
+            let mut body = members(&mut r, if chat_case { &chat } else { &completion });
+            match r.gen_range(0..40) {
+                0 => body.push_str(" x"),
+                1 => body.push('\n'),
+                2 => body.truncate(body.len() - 1),
+                3 => body = format!("[{body}]"),
+                _ => {}
+            }
+            let (ours, reference, walker) = if chat_case {
+                (
+                    format!("{:?}", ChatRequest::from_json(body.as_bytes()).ok()),
+                    format!(
+                        "{:?}",
+                        ChatRequest::from_json_reference(body.as_bytes()).ok()
+                    ),
+                    ChatRequest::walk(&body).is_some(),
+                )
+            } else {
+                (
+                    format!("{:?}", CompletionRequest::from_json(body.as_bytes()).ok()),
+                    format!(
+                        "{:?}",
+                        CompletionRequest::from_json_reference(body.as_bytes()).ok()
+                    ),
+                    CompletionRequest::walk(&body).is_some(),
+                )
+            };
+            assert_eq!(ours, reference, "{body}");
+            total += 1;
+            walked += usize::from(walker);
+            accepted += usize::from(reference != "None");
+            // The walker never reads a body serde_json refuses.
+            assert!(!walker || reference != "None", "{body}");
+        }
+        // Both outcomes were exercised, and the walker read most accepted bodies.
+        assert!(
+            (total / 10..total * 9 / 10).contains(&accepted),
+            "{accepted} of {total}"
+        );
+        assert!(walked * 10 > accepted * 6, "{walked} of {accepted}");
     }
 }

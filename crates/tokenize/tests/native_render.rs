@@ -180,6 +180,9 @@ fn native_renders_equal_minijinja() {
                     case += 1;
                     let body = random_request(&mut rng, texts).to_string();
                     let req = ChatRequest::from_json(body.as_bytes()).unwrap();
+                    // The body walker reads real text as serde_json alone does.
+                    let reference = ChatRequest::from_json_reference(body.as_bytes()).unwrap();
+                    assert_eq!(format!("{req:?}"), format!("{reference:?}"), "{body}");
                     let want = tok.render_chat_reference(&req);
                     match (tok.render_chat_traced(&req), want) {
                         (Ok((got, used)), Ok(want)) => {
