@@ -20,12 +20,18 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
+/// serde_json's nesting limit: arrays and objects 128 deep are refused.
+const NESTING_LIMIT: usize = 128;
+
 /// A position in a body known to be valid UTF-8.
 pub(crate) struct Walker<'a> {
     text: &'a str,
     at: usize,
     /// Whether the body has a byte below 0x20 anywhere.
     controls: bool,
+    /// Whether the body opens enough arrays and objects to reach serde_json's nesting limit,
+    /// once a value that opens one is read.
+    deep: Option<bool>,
 }
 
 impl<'a> Walker<'a> {
@@ -35,6 +41,7 @@ impl<'a> Walker<'a> {
             text,
             at: 0,
             controls,
+            deep: None,
         }
     }
 
@@ -101,7 +108,23 @@ impl<'a> Walker<'a> {
     }
 
     /// One value of type `T`, read by serde_json from here (its whitespace included).
+    ///
+    /// serde_json refuses a body nested 128 deep, counted from the body's top; a value read
+    /// here on its own would count from itself. So an array or object is read here only in a
+    /// body with fewer than [`NESTING_LIMIT`] `[` and `{` bytes in all, where neither count can
+    /// reach the limit.
     pub(crate) fn value<T: Deserialize<'a>>(&mut self) -> Option<T> {
+        if matches!(self.peek()?, b'[' | b'{') {
+            let text = self.text;
+            let deep = *self.deep.get_or_insert_with(|| {
+                memchr::memchr2_iter(b'[', b'{', text.as_bytes())
+                    .nth(NESTING_LIMIT - 1)
+                    .is_some()
+            });
+            if deep {
+                return None;
+            }
+        }
         let rest = self.text.get(self.at..)?;
         let mut values = serde_json::Deserializer::from_str(rest).into_iter::<T>();
         let v = values.next()?.ok()?;
@@ -291,6 +314,25 @@ mod tests {
         // A number must end where a value can end.
         assert_eq!(Walker::new("12x").value::<u32>(), None);
         assert_eq!(Walker::new("").value::<u32>(), None);
+    }
+
+    /// A value nested near serde_json's limit is refused or read as the whole body's parse
+    /// does: the walker leaves bodies that open that many arrays and objects to serde_json.
+    #[test]
+    fn nesting_is_counted_from_the_bodys_top() {
+        let mut walker_read = 0;
+        for k in 118..132 {
+            let deep = format!("{}1{}", "[".repeat(k), "]".repeat(k));
+            let body = format!(r#"{{"messages": [{{"role": "user", "task": {deep}}}]}}"#);
+            let ours = crate::ChatRequest::from_json(body.as_bytes()).ok();
+            let reference = crate::ChatRequest::from_json_reference(body.as_bytes()).ok();
+            assert_eq!(format!("{ours:?}"), format!("{reference:?}"), "{k}");
+            let mut w = Walker::new(&body);
+            w.at = body.find("[[").unwrap_or(0);
+            walker_read += usize::from(w.value::<crate::Json>().is_some());
+        }
+        // The body's own object, list and message open three: k = 118..=124 is read here.
+        assert_eq!(walker_read, 7);
     }
 
     #[test]
