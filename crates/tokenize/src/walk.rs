@@ -20,9 +20,6 @@ use std::borrow::Cow;
 
 use serde::Deserialize;
 
-/// The bytes of a string's start looked at one by one before `memchr` is called.
-const SHORT: usize = 16;
-
 /// serde_json's nesting limit: arrays and objects 128 deep are refused.
 const NESTING_LIMIT: usize = 128;
 
@@ -81,21 +78,9 @@ impl<'a> Walker<'a> {
         let b = self.bytes();
         let mut owned: Option<String> = None;
         let mut from = self.at;
-        // Keys and roles end within a few bytes: looked for byte by byte, they end before
-        // memchr's dispatch would have started. A message text's first bytes are looked at
-        // twice; the runs between its escapes go to memchr directly.
-        let short = b
-            .get(from..)?
-            .iter()
-            .take(SHORT)
-            .position(|&c| c == b'"' || c == b'\\');
-        let mut stop = short.map(|i| from + i);
         loop {
             let rest = b.get(from..)?;
-            let stop = match stop.take() {
-                Some(stop) => stop,
-                None => from + memchr::memchr2(b'"', b'\\', rest)?,
-            };
+            let stop = from + memchr::memchr2(b'"', b'\\', rest)?;
             let run = b.get(from..stop)?;
             // Control characters must be escaped (serde_json refuses them; so does Python's
             // json in its default strict mode).
