@@ -11,10 +11,11 @@
 //!
 //! Invariants: the walker only ever answers what serde_json would have answered, or nothing.
 //! Anything it does not read itself the way serde_json does (a surrogate pair, an unknown
-//! escape, a control character, a repeated field, a missing one, a value of the wrong kind,
-//! bytes after the body) makes it answer `None`, and the caller parses the body with
-//! serde_json from the start, so errors and rare forms are serde_json's. It never panics and
-//! never reads past the text.
+//! escape, a control character, a repeated field, a missing one, a value of the wrong kind, a
+//! struct written as an array, bytes after the body, a body that opens enough arrays and
+//! objects to reach serde_json's nesting limit) makes it answer `None`, and the caller parses
+//! the body with serde_json from the start, so errors and rare forms are serde_json's. It
+//! never panics and never reads past the text.
 
 use std::borrow::Cow;
 
