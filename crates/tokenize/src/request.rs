@@ -1004,4 +1004,79 @@ mod tests {
         );
         assert!(walked * 10 > accepted * 6, "{walked} of {accepted}");
     }
+
+    /// The walker names every field serde's derived readers know: a field added to a request
+    /// or a message and not to its `walk` would be dropped by the walker as unknown. The lists
+    /// below are the walkers' match arms; this test fails until both name a new field.
+    #[test]
+    fn the_walker_knows_every_field() {
+        use std::cell::Cell;
+        type Fields = &'static [&'static str];
+        struct Capture<'c>(&'c Cell<Fields>);
+        impl<'de> Deserializer<'de> for Capture<'_> {
+            type Error = de::value::Error;
+            fn deserialize_any<V: Visitor<'de>>(
+                self,
+                _: V,
+            ) -> std::result::Result<V::Value, Self::Error> {
+                Err(de::Error::custom("only structs are captured"))
+            }
+            fn deserialize_struct<V: Visitor<'de>>(
+                self,
+                _: &'static str,
+                fields: Fields,
+                _: V,
+            ) -> std::result::Result<V::Value, Self::Error> {
+                self.0.set(fields);
+                Err(de::Error::custom("captured"))
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+                byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+                identifier ignored_any
+            }
+        }
+        let fields = |f: fn(Capture<'_>) -> bool| {
+            let cell = Cell::new(&[][..]);
+            assert!(!f(Capture(&cell)));
+            cell.get()
+        };
+        let chat = fields(|c| ChatRequest::deserialize(c).is_ok());
+        let message = fields(|c| ChatMessage::deserialize(c).is_ok());
+        let completion = fields(|c| CompletionRequest::deserialize(c).is_ok());
+        assert_eq!(
+            chat,
+            [
+                "messages",
+                "tools",
+                "tool_choice",
+                "add_generation_prompt",
+                "continue_final_message",
+                "add_special_tokens",
+                "chat_template_kwargs",
+                "documents",
+                "reasoning_effort",
+                "chat_template",
+                "model",
+                "cache_salt"
+            ]
+        );
+        assert_eq!(
+            message,
+            [
+                "role",
+                "content",
+                "name",
+                "tool_calls",
+                "tool_call_id",
+                "reasoning",
+                "tools",
+                "task"
+            ]
+        );
+        assert_eq!(
+            completion,
+            ["prompt", "add_special_tokens", "model", "cache_salt"]
+        );
+    }
 }
