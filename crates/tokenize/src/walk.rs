@@ -139,30 +139,27 @@ impl<'a> Walker<'a> {
         &mut self,
         mut field: impl FnMut(&mut Self, Cow<'a, str>) -> Option<()>,
     ) -> Option<()> {
-        self.eat(b'{')?;
-        if self.peek()? == b'}' {
-            self.at += 1;
-            return Some(());
-        }
-        loop {
-            let key = self.string()?;
-            self.eat(b':')?;
-            field(self, key)?;
-            match self.peek()? {
-                b',' => self.at += 1,
-                b'}' => {
-                    self.at += 1;
-                    return Some(());
-                }
-                _ => return None,
-            }
-        }
+        self.list(b'{', b'}', |w| {
+            let key = w.string()?;
+            w.eat(b':')?;
+            field(w, key)
+        })
     }
 
     /// An array: `item` reads each element.
-    pub(crate) fn array(&mut self, mut item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
-        self.eat(b'[')?;
-        if self.peek()? == b']' {
+    pub(crate) fn array(&mut self, item: impl FnMut(&mut Self) -> Option<()>) -> Option<()> {
+        self.list(b'[', b']', item)
+    }
+
+    /// `open`, items separated by commas, `close`.
+    fn list(
+        &mut self,
+        open: u8,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> Option<()>,
+    ) -> Option<()> {
+        self.eat(open)?;
+        if self.peek()? == close {
             self.at += 1;
             return Some(());
         }
@@ -170,7 +167,7 @@ impl<'a> Walker<'a> {
             item(self)?;
             match self.peek()? {
                 b',' => self.at += 1,
-                b']' => {
+                c if c == close => {
                     self.at += 1;
                     return Some(());
                 }
