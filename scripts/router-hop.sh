@@ -23,6 +23,9 @@
 # env: REQUESTS=500 WARMUP=1500 TEXT=new TOKENIZER=qwen3 (a directory, or a name in
 #      ../shared/data/tokenizers) SIM_BIN= (the binary that runs the replicas; default: the
 #      first kinference target) RESULTS=target/router-hop
+#      PROFILE=   when set, the REQUESTS are profiled instead (`perf record -F 4999
+#                 --call-graph dwarf`, TARGET/profile.data; read it with `perf report -i`),
+#                 and no gaps are printed
 set -euo pipefail
 case ${1:-} in -h | --help | "") sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;; esac
 
@@ -128,9 +131,9 @@ for t in "$@"; do
     port=${data##*:}
   fi
   traced="$pid $(descendants "$pid" | tr '\n' ' ')"
-  python3 - "$url" "$OUT/chat-bodies.tsv" "$TEXT" "$WARMUP" "$REQUESTS" "$dir" "$traced" <<'PYEOF' &
+  python3 - "$url" "$OUT/chat-bodies.tsv" "$TEXT" "$WARMUP" "$REQUESTS" "$dir" "$traced" "${PROFILE:-}" <<'PYEOF' &
 import http.client, signal, subprocess, sys, time, urllib.parse
-url, bodies, text, warmup, n, out, pids = sys.argv[1:8]
+url, bodies, text, warmup, n, out, pids, profile = sys.argv[1:9]
 warmup, n = int(warmup), int(n)
 u = urllib.parse.urlparse(url)
 conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
@@ -146,8 +149,9 @@ def send(i):
         sys.exit(f"request {i}: HTTP {r.status}")
 for i in range(warmup):
     send(i)
-perf = subprocess.Popen(["perf", "record", "-q", "-e", "raw_syscalls:sys_enter,raw_syscalls:sys_exit",
-                         "-p", ",".join(pids.split()), "-o", f"{out}/syscalls.data"],
+events = (["-F", "4999", "--call-graph", "dwarf", "-o", f"{out}/profile.data"] if profile else
+          ["-e", "raw_syscalls:sys_enter,raw_syscalls:sys_exit", "-o", f"{out}/syscalls.data"])
+perf = subprocess.Popen(["perf", "record", "-q", *events, "-p", ",".join(pids.split())],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 time.sleep(1)
 for i in range(warmup, warmup + n):
@@ -173,6 +177,10 @@ PYEOF
   touch "$dir/mapped"
   wait "$client" || die "the client failed ($t)"
   stop_all
+  if [ -n "${PROFILE:-}" ]; then
+    log "$t: profile in $dir/profile.data"
+    continue
+  fi
   perf script --ns -F pid,tid,time,event,trace -i "$dir/syscalls.data" >"$dir/syscalls.txt" 2>/dev/null
   {
     echo "$t$([ "$t" = nginx ] || echo " ($("$t" --version 2>/dev/null))"), TEXT=$TEXT, $(basename "$TOKENIZER")"
