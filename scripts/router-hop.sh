@@ -154,15 +154,22 @@ events = (["-F", "4999", "--call-graph", "dwarf", "-o", f"{out}/profile.data"] i
 perf = subprocess.Popen(["perf", "record", "-q", *events, "-p", ",".join(pids.split())],
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 time.sleep(1)
+if perf.poll() is not None:
+    sys.exit(f"perf record stopped at once (exit {perf.returncode}): is perf allowed here "
+             "(/proc/sys/kernel/perf_event_paranoid)?")
 for i in range(warmup, warmup + n):
     send(i)
 # The connections are still open: map their sockets before perf stops.
 open(f"{out}/ready", "w").close()
+deadline = time.monotonic() + 120
 while True:
     try:
         open(f"{out}/mapped").close()
         break
     except FileNotFoundError:
+        if time.monotonic() > deadline:
+            perf.kill()
+            sys.exit("the sockets were not mapped within 120 s")
         time.sleep(0.05)
 perf.send_signal(signal.SIGINT)
 perf.wait()
