@@ -100,13 +100,11 @@ impl Fleet {
         let Some(p) = self.pools.iter().find(|p| p.name == pool) else {
             return;
         };
-        let saved = p.savings.saved(prompt_tokens, actual);
+        let saved_with = p.savings.saved_for(prompt_tokens);
+        let saved = saved_with(actual);
         let guesses: Vec<(&'static str, Saved)> = baselines
             .iter()
-            .map(|b| {
-                let saved = p.savings.saved(prompt_tokens, u64::from(b.cached_tokens));
-                (b.policy, saved)
-            })
+            .map(|b| (b.policy, saved_with(u64::from(b.cached_tokens))))
             .collect();
         self.metrics
             .record_usage(pool, prompt_tokens, predicted, actual, saved, &guesses);

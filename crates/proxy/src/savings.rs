@@ -60,11 +60,22 @@ impl SavingsModel {
 
     /// A prompt of `prompt` tokens of which the replica reported `cached` served from cache.
     pub fn saved(&self, prompt: u32, cached: u64) -> Saved {
+        self.saved_for(prompt)(cached)
+    }
+
+    /// [`SavingsModel::saved`] for one prompt and any number of cached counts (what the replica
+    /// reported, what each baseline would have found): the prompt's uncached cost is computed
+    /// once. The same arithmetic as [`TimingModel::saved_prefill_seconds`].
+    pub fn saved_for(&self, prompt: u32) -> impl Fn(u64) -> Saved + '_ {
         let prompt = prompt as usize;
-        let cached = usize::try_from(cached).unwrap_or(usize::MAX).min(prompt);
-        Saved {
-            tokens: cached as u64,
-            gpu_seconds: self.timing.saved_prefill_seconds(prompt, cached) * f64::from(self.gpus),
+        let uncached = self.timing.request_prefill_seconds(prompt, 0);
+        move |cached| {
+            let cached = usize::try_from(cached).unwrap_or(usize::MAX).min(prompt);
+            let seconds = (uncached - self.timing.request_prefill_seconds(prompt, cached)).max(0.0);
+            Saved {
+                tokens: cached as u64,
+                gpu_seconds: seconds * f64::from(self.gpus),
+            }
         }
     }
 
@@ -202,6 +213,33 @@ mod tests {
         // = 2.22 ms, i.e. 45.70 ms.
         let s = m.saved(4096, 2048).gpu_seconds;
         assert!((s - 0.045_70).abs() < 0.000_01, "{s}");
+    }
+
+    /// One prompt charged once for several cached counts gives, to the bit, what the timing
+    /// model's own `saved_prefill_seconds` gives each (what `kinference bench` charges).
+    #[test]
+    fn one_prompt_charged_for_several_counts_is_charged_as_each_alone() {
+        for name in [DEFAULT_PROFILE, "codellama-34b-h100x2"] {
+            let p = Profile::builtin(name).unwrap();
+            let (m, timing) = (
+                SavingsModel::from_profile(&p),
+                TimingModel::from_profile(&p),
+            );
+            for prompt in [0u32, 1, 17, 512, 4096, 30_000] {
+                let saved = m.saved_for(prompt);
+                for cached in [0u64, 1, 16, 511, 4096, 29_999, 1_000_000] {
+                    let c = (cached as usize).min(prompt as usize);
+                    let want = timing.saved_prefill_seconds(prompt as usize, c) * f64::from(m.gpus);
+                    let got = saved(cached);
+                    assert_eq!(got.tokens, c as u64);
+                    assert_eq!(
+                        got.gpu_seconds.to_bits(),
+                        want.to_bits(),
+                        "{name} {prompt} {cached}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

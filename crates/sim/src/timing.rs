@@ -47,7 +47,18 @@ pub struct Roofline {
     allreduce_fixed: f64,
     allreduce_per_token: f64,
     overhead: f64,
+    /// [`REFERENCE`]'s step alone, as [`TimingModel::step_duration`] gives it: the same for
+    /// every request charged (the router charges each request's savings several times over).
+    reference_seconds: f64,
 }
+
+/// The compute-bound step a request's prefill is charged against
+/// ([`TimingModel::request_prefill_seconds`]).
+const REFERENCE: BatchItem = BatchItem {
+    new_tokens: 8192,
+    context_tokens: 0,
+    samples: false,
+};
 
 impl TimingModel {
     pub fn from_profile(p: &Profile) -> TimingModel {
@@ -72,7 +83,7 @@ impl TimingModel {
         } else {
             (0.0, 0.0)
         };
-        TimingModel::Roofline(Roofline {
+        let mut r = Roofline {
             per_token: 2.0 * m.layer_params() as f64 / linear_rate,
             per_sampled_token: 2.0 * m.lm_head_params() as f64 / linear_rate,
             weight_stream: weights / hbm_rate,
@@ -85,7 +96,10 @@ impl TimingModel {
             allreduce_fixed,
             allreduce_per_token,
             overhead: e.step_overhead_ms * 1e-3,
-        })
+            reference_seconds: 0.0,
+        };
+        r.reference_seconds = duration_from_secs(r.step_seconds(&[REFERENCE])).as_secs_f64();
+        TimingModel::Roofline(r)
     }
 
     pub fn fixed(per_step: Duration) -> TimingModel {
@@ -120,18 +134,16 @@ impl TimingModel {
     /// overhead and the weight-streaming floor (paid by every step, prefill or not) cancel out.
     /// Per replica (all its TP ranks at once): multiply by the GPUs for GPU-seconds.
     pub fn request_prefill_seconds(&self, prompt: usize, cached: usize) -> f64 {
-        let reference = BatchItem {
-            new_tokens: 8192,
-            context_tokens: 0,
-            samples: false,
-        };
         let item = BatchItem {
             new_tokens: u32::try_from(prompt.saturating_sub(cached)).unwrap_or(u32::MAX),
             context_tokens: u32::try_from(cached.min(prompt)).unwrap_or(u32::MAX),
             samples: true,
         };
-        let with = self.step_duration(&[reference, item]).as_secs_f64();
-        let without = self.step_duration(&[reference]).as_secs_f64();
+        let with = self.step_duration(&[REFERENCE, item]).as_secs_f64();
+        let without = match self {
+            TimingModel::Roofline(r) => r.reference_seconds,
+            TimingModel::Fixed(d) => d.as_secs_f64(),
+        };
         (with - without).max(0.0)
     }
 
@@ -227,6 +239,30 @@ mod tests {
         ];
         assert!(m.step_duration(&batch).as_secs_f64() > 2.0 * d1);
         assert_eq!(m.step_duration(&[]), Duration::ZERO);
+    }
+
+    /// The reference step kept with the model is the one `step_duration` gives, to the bit, so
+    /// a request's charge is what computing both steps gives.
+    #[test]
+    fn the_kept_reference_step_is_step_durations() {
+        for name in ["llama-3.1-8b-h100x1", "codellama-34b-h100x2"] {
+            let m = model(name);
+            let without = m.step_duration(&[REFERENCE]).as_secs_f64();
+            for (prompt, cached) in [(0, 0), (1, 0), (512, 0), (4096, 2048), (100_000, 99_999)] {
+                let item = BatchItem {
+                    new_tokens: prompt - cached,
+                    context_tokens: cached,
+                    samples: true,
+                };
+                let with = m.step_duration(&[REFERENCE, item]).as_secs_f64();
+                assert_eq!(
+                    m.request_prefill_seconds(prompt as usize, cached as usize)
+                        .to_bits(),
+                    (with - without).max(0.0).to_bits(),
+                    "{name} {prompt} {cached}"
+                );
+            }
+        }
     }
 
     #[test]
