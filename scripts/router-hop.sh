@@ -69,12 +69,6 @@ python3 "$HERE/lib/chat_bodies.py" "$OUT/chat-bodies.tsv" >/dev/null || die "cou
 [ "$TEXT" = repeat ] || [ $((WARMUP + REQUESTS)) -le "$(wc -l <"$OUT/chat-bodies.tsv")" ] ||
   die "TEXT=new sends each turn once: WARMUP + REQUESTS is more than the turns there are"
 
-PIDS=()
-stop_all() {
-  local p
-  for p in "${PIDS[@]}"; do stop_tree "$p" 5; done
-  PIDS=()
-}
 trap stop_all EXIT
 trap 'exit 130' INT TERM
 
@@ -113,14 +107,13 @@ for t in "$@"; do
   start_sim "$SIM" "$TOKENIZER" "$dir" || { stop_tree "$SIM_PID" 5; die "the simulator did not start"; }
   PIDS+=("$SIM_PID")
   if [ "$t" = nginx ]; then
-    port=$(free_ports 1)
-    nginx_conf "$dir/nginx" "$port" 1 "${SIM_URLS[@]}"
-    "$NGINX" -p "$dir/nginx" -c "$dir/nginx/nginx.conf" -e "$dir/nginx/error.log" \
-      >"$dir/router.out" 2>"$dir/router.err" &
-    pid=$!
+    failed=
+    start_nginx "$dir/nginx" 1 "$dir/router" "${SIM_URLS[@]}" || failed=1
+    pid=$NGINX_PID
     PIDS+=("$pid")
-    wait_port "127.0.0.1:$port" "$pid" 30 || die "nginx did not listen (see $dir/router.err)"
-    url=http://127.0.0.1:$port
+    [ -z "${failed:-}" ] || die "nginx did not start"
+    url=$NGINX_URL
+    port=${url##*:}
   else
     bench_serve "$t" "$dir/router"
     pid=$!

@@ -86,18 +86,12 @@ done
 [ -n "$SIM" ] || die "no kinference binary among the sides: name one in SIM_BIN to run the replicas"
 python3 "$HERE/lib/chat_bodies.py" "$OUT/chat-bodies.tsv" || die "could not write the chat requests"
 
-PIDS=()
-stop_all() {
-  local p
-  for p in "${PIDS[@]}"; do stop_tree "$p" 5; done
-  PIDS=()
-}
 trap stop_all EXIT
 trap 'exit 130' INT TERM
 
 # start_side I SIDE DIR: SIDE's replicas and router, in DIR; sets URL.
 start_side() {
-  local i=$1 side=$2 dir=$3 port pid
+  local i=$1 side=$2 dir=$3 failed=
   mkdir -p "$dir"
   start_sim "$SIM" "$TOKENIZER" "$dir" || { stop_tree "$SIM_PID" 5; die "$side's simulator did not start"; }
   PIDS+=("$SIM_PID")
@@ -106,14 +100,10 @@ start_side() {
       URL=${SIM_URLS[0]}
       ;;
     nginx | nginx+sink)
-      port=$(free_ports 1)
-      nginx_conf "$dir/nginx" "$port" "$(nproc)" "${SIM_URLS[@]}"
-      "$NGINX" -p "$dir/nginx" -c "$dir/nginx/nginx.conf" -e "$dir/nginx/error.log" \
-        >"$dir/router.out" 2>"$dir/router.err" &
-      pid=$!
-      PIDS+=("$pid")
-      URL=http://127.0.0.1:$port
-      wait_port "127.0.0.1:$port" "$pid" 30 || die "nginx did not listen (see $dir/router.err)"
+      start_nginx "$dir/nginx" "$(nproc)" "$dir/router" "${SIM_URLS[@]}" || failed=1
+      PIDS+=("$NGINX_PID")
+      [ -z "${failed:-}" ] || die "nginx did not start"
+      URL=$NGINX_URL
       ;;
     *)
       serve "$side" "$dir/router" "${KINF_EXTRA[@]}"

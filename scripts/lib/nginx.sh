@@ -45,3 +45,23 @@ $servers    keepalive 256;
 }
 NGINXEOF
 }
+
+# start_nginx DIR WORKERS PREFIX URL...: nginx_conf DIR on a free port, then nginx from it in the
+# background (its output in PREFIX.out and PREFIX.err), waited for until it listens. Sets
+# NGINX_PID as soon as it is started (empty before: for the caller's cleanup) and NGINX_URL.
+# Fails, saying why, when nginx is not installed or does not listen within 30 s. Needs
+# lib/net.sh.
+start_nginx() {
+  local dir=$1 workers=$2 prefix=$3 port bin
+  shift 3
+  NGINX_PID=
+  bin=$(PATH=$PATH:/usr/sbin command -v nginx) ||
+    { echo "nginx is not installed (apt-get install nginx)" >&2; return 1; }
+  port=$(free_ports 1)
+  nginx_conf "$dir" "$port" "$workers" "$@"
+  "$bin" -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" >"$prefix.out" 2>"$prefix.err" &
+  NGINX_PID=$!
+  NGINX_URL=http://127.0.0.1:$port
+  wait_port "127.0.0.1:$port" "$NGINX_PID" 30 ||
+    { echo "nginx did not listen (see $prefix.err)" >&2; return 1; }
+}

@@ -39,6 +39,15 @@ stop_tree() {
   return 0
 }
 
+# PIDS and stop_all: the processes a script started (it appends their ids to PIDS), each
+# stopped with what it spawned, in one call (from the script's exit trap, or between runs).
+PIDS=()
+stop_all() {
+  local p
+  for p in "${PIDS[@]}"; do stop_tree "$p" 5; done
+  PIDS=()
+}
+
 # kinference_binary REPO PROFILE [GIVEN]: prints the `kinference` binary to run: GIVEN when
 # given (it must be executable), else the one `cargo build -p kinference` makes in PROFILE
 # (debug or release), under CARGO_TARGET_DIR when that is set. Fails, saying why, otherwise.
