@@ -41,7 +41,8 @@ stop_tree() {
 
 # PIDS and stop_all: the processes a script started (it appends their ids to PIDS), each
 # stopped with what it spawned, in one call (from the script's exit trap, or between runs).
-PIDS=()
+# A list the script made before sourcing this file is kept.
+declare -p PIDS >/dev/null 2>&1 || PIDS=()
 stop_all() {
   local p
   for p in "${PIDS[@]}"; do stop_tree "$p" 5; done
