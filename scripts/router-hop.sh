@@ -57,8 +57,7 @@ command -v perf >/dev/null || die "perf is needed"
 SIM=${SIM_BIN:-}
 for t in "$@"; do
   if [ "$t" = nginx ]; then
-    NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true)
-    [ -n "$NGINX" ] || die "nginx is not installed (apt-get install nginx)"
+    nginx_bin >/dev/null || die "nginx is needed"
   else
     [ -x "$t" ] || die "$t is neither a kinference binary nor nginx"
     [ -n "$SIM" ] || SIM=$t

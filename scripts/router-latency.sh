@@ -215,9 +215,9 @@ for t in "${WANTED[@]}"; do
     vllm-router) ensure_peer vllm-router vllm-router "$VLLM_ROUTER_VERSION" vllm-router && RUN_TARGETS+=("$t") ;;
     sglang-router) ensure_peer sglang-router sglang-router "$SGLANG_ROUTER_VERSION" smg && RUN_TARGETS+=("$t") ;;
     nginx)
-      # Debian puts it in /usr/sbin, which a user's PATH may lack; a failed install skips it.
-      NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true)
-      if [ -z "$NGINX" ] && (need_apt nginx nginx); then NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true); fi
+      # A failed install skips it.
+      NGINX=$(nginx_bin 2>/dev/null || true)
+      if [ -z "$NGINX" ] && (need_apt nginx nginx); then NGINX=$(nginx_bin 2>/dev/null || true); fi
       if [ -n "$NGINX" ]; then RUN_TARGETS+=("$t"); else log "skipping nginx: not installed"; fi
       ;;
     floor | floor-hyper | floor-mixed)

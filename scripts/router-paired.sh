@@ -73,8 +73,7 @@ SIM=${SIM_BIN:-}
 for s in "${SIDES[@]}"; do
   case $s in
     nginx | nginx+sink)
-      NGINX=$(PATH=$PATH:/usr/sbin command -v nginx || true)
-      [ -n "$NGINX" ] || die "nginx is not installed (apt-get install nginx)"
+      nginx_bin >/dev/null || die "nginx is needed"
       ;;
     direct | direct+sink) ;;
     *)

@@ -46,6 +46,13 @@ $servers    keepalive 256;
 NGINXEOF
 }
 
+# nginx_bin: prints the nginx binary (Debian keeps it in /usr/sbin, which a user's PATH may
+# lack); fails, saying how to install it, when there is none.
+nginx_bin() {
+  PATH=$PATH:/usr/sbin command -v nginx ||
+    { echo "nginx is not installed (apt-get install nginx)" >&2; return 1; }
+}
+
 # start_nginx DIR WORKERS PREFIX URL...: nginx_conf DIR on a free port, then nginx from it in the
 # background (its output in PREFIX.out and PREFIX.err), waited for until it listens. Sets
 # NGINX_PID as soon as it is started (empty before: for the caller's cleanup) and NGINX_URL.
@@ -55,8 +62,7 @@ start_nginx() {
   local dir=$1 workers=$2 prefix=$3 port bin
   shift 3
   NGINX_PID=
-  bin=$(PATH=$PATH:/usr/sbin command -v nginx) ||
-    { echo "nginx is not installed (apt-get install nginx)" >&2; return 1; }
+  bin=$(nginx_bin) || return 1
   port=$(free_ports 1)
   nginx_conf "$dir" "$port" "$workers" "$@"
   "$bin" -p "$dir" -c "$dir/nginx.conf" -e "$dir/error.log" >"$prefix.out" 2>"$prefix.err" &
