@@ -6,8 +6,8 @@
 //! [`TimingModel::saved_prefill_seconds`], the very function `kinference bench` charges
 //! prefill with (to the bit; [`SavingsModel::saved_for`] only computes a prompt's uncached
 //! charge once for several counts), so the router's live savings and a benchmark's report of
-//! the same requests agree; a replica of a profile spans its tensor-parallel GPUs, and every one of them is
-//! counted. The cached tokens are the ones the replica reports
+//! the same requests agree; a replica of a profile spans its tensor-parallel GPUs, and every
+//! one of them is counted. The cached tokens are the ones the replica reports
 //! (`usage.prompt_tokens_details.cached_tokens`), never the router's prediction: a request
 //! whose response reports none saves nothing here.
 

@@ -245,8 +245,12 @@ mod tests {
     /// a request's charge is what computing both steps gives.
     #[test]
     fn the_kept_reference_step_is_step_durations() {
-        for name in ["llama-3.1-8b-h100x1", "codellama-34b-h100x2"] {
-            let m = model(name);
+        let models = [
+            ("llama-3.1-8b-h100x1", model("llama-3.1-8b-h100x1")),
+            ("codellama-34b-h100x2", model("codellama-34b-h100x2")),
+            ("fixed", TimingModel::fixed(Duration::from_millis(7))),
+        ];
+        for (name, m) in models {
             let without = m.step_duration(&[REFERENCE]).as_secs_f64();
             for (prompt, cached) in [(0, 0), (1, 0), (512, 0), (4096, 2048), (100_000, 99_999)] {
                 let item = BatchItem {
