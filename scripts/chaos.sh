@@ -21,7 +21,8 @@
 # Status: in CI (short form, CHAOS_MINUTES=2, all faults on). A live sequence number that went
 # back (a duplicate, or a late message after a reorder) is checked against the publisher's
 # replay before anything is cleared (a copy is skipped and counted as a repeat), and a replay
-# cut short after progress is asked again from the hole (BENCHMARKS.md, "Chaos soak").
+# cut short after progress (a hole, a lost end marker, or a lost tail before the end marker) is
+# asked again from where it stopped (BENCHMARKS.md, "Chaos soak").
 #
 # usage: scripts/chaos.sh [BINARY]
 #   BINARY is a built `kinference`; without it `cargo build --release -p kinference` builds it.
@@ -34,12 +35,10 @@
 #      CHAOS_MAX_RSS_MIB / CHAOS_MAX_FDS  router bounds (512 / 1024)
 #      CHAOS_KEEP        keep the work directory (logs, results) and print its path
 #
-# The replay buffer holds the whole run so that a router restarted late, or one that treats a
-# duplicated or reordered live batch as a publisher restart (it does), can ask for every batch
-# from sequence 0. Known limit: the replica's replay ROUTER socket has libzmq's default send
-# high-water mark (1,000 messages, as vLLM's), so a replay longer than that loses its tail and
-# its end marker; the router then times out, declares the gap unrecoverable and resyncs, and
-# blocks cached before the resync are missing from its index (the index check fails).
+# The replay buffer holds the whole run so that a router restarted late can ask for every batch
+# from sequence 0. The replica's replay ROUTER socket has libzmq's default send high-water mark
+# (1,000 messages, as vLLM's), so a replay longer than that arrives in parts; the router asks
+# again from the first batch it lacks until it has caught up.
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)

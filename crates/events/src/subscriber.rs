@@ -493,11 +493,14 @@ impl Subscriber {
         let mut backoff = Backoff::new(self.spec.plane.backoff.clone(), self.spec.seed ^ until);
         let epoch_before = self.epoch;
         // Attempts that got nothing new; a truncated replay that moved forward is asked again
-        // from where it stopped without counting (vLLM's replay ROUTER keeps libzmq's default
-        // send limit of 1,000 queued messages and drops the rest, end marker included).
+        // from where it stopped without counting. vLLM's replay ROUTER keeps libzmq's default
+        // send limit of 1,000 queued messages and drops replies while its queue to the peer is
+        // full: a reply can lose its middle (a hole), its tail with the end marker (a timeout),
+        // or only its tail, when the queue drained before the end marker was sent.
         let mut attempt = 0;
         while attempt < self.spec.plane.replay_attempts {
             let from = self.seq.replay_start();
+            let next_before = self.seq.next();
             self.health(|h| h.replays_attempted += 1);
             let (items, end) = self.fetch(&endpoint, from).await?;
             let replayed = self.apply_replayed(items).await?;
@@ -517,19 +520,26 @@ impl Subscriber {
                     to = self.seq.replay_start(), "replay has a hole after progress; asking again");
                 continue;
             }
+            let progressed = self.seq.next() > next_before;
             match end {
-                FetchEnd::Complete => return Ok(false),
                 FetchEnd::Overflow => {
                     tracing::warn!(worker = ?self.spec.worker, "live buffer full during replay");
                     return Ok(false);
                 }
+                FetchEnd::Complete if progressed => {
+                    tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
+                        to = self.seq.replay_start(),
+                        "replay ended short after progress; asking for the rest");
+                    continue;
+                }
+                FetchEnd::Complete => return Ok(false),
+                FetchEnd::Failed(e) if progressed => {
+                    tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
+                        to = self.seq.replay_start(), error = %e,
+                        "replay cut short after progress; asking for the rest");
+                    continue;
+                }
                 FetchEnd::Failed(e) => {
-                    if self.seq.replay_start() > from {
-                        tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
-                            to = self.seq.replay_start(), error = %e,
-                            "replay cut short after progress; asking for the rest");
-                        continue;
-                    }
                     tracing::warn!(worker = ?self.spec.worker, %endpoint, from, attempt,
                         error = %e, "replay failed");
                 }

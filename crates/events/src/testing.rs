@@ -36,6 +36,13 @@ pub enum ReplayMode {
     Answer(ReplayLayout),
     /// Reads requests and never answers (a hung or overloaded publisher).
     Silent,
+    /// Answers with only the first `keep` buffered batches and then the end marker: libzmq's
+    /// ROUTER dropped the rest of the reply while its queue to the peer was full, and the
+    /// queue had drained by the time the end marker was sent.
+    TailDropped {
+        layout: ReplayLayout,
+        keep: usize,
+    },
 }
 
 /// One answered replay request: the start asked for and the sequence numbers sent back.
@@ -270,13 +277,16 @@ async fn serve_replay(
         };
         let replies = {
             let mut state = state.lock();
-            let ReplayMode::Answer(layout) = state.mode else {
-                continue;
+            let (layout, keep) = match state.mode {
+                ReplayMode::Answer(layout) => (layout, usize::MAX),
+                ReplayMode::TailDropped { layout, keep } => (layout, keep),
+                ReplayMode::Silent => continue,
             };
             let items: Vec<(u64, Vec<u8>)> = state
                 .buffer
                 .iter()
                 .filter(|(seq, _)| *seq >= start)
+                .take(keep)
                 .cloned()
                 .collect();
             let sent = items.iter().map(|(s, _)| *s).collect();

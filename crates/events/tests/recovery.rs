@@ -597,6 +597,55 @@ async fn restart_that_continues_at_the_expected_number_is_caught_after_reconnect
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_tail_was_dropped_before_its_end_marker_is_asked_again() {
+    // libzmq's ROUTER drops replies while its queue to the peer is full; when the queue has
+    // drained by the time the end marker is sent, the reply ends cleanly but short.
+    let mut rig = rig(5_000, true, fast_config()).await;
+    let mut model = Model::default();
+    rig.publish(&chain(0), &mut model).await;
+    rig.wait_applied(0).await;
+    rig.publisher.set_replay_mode(ReplayMode::TailDropped {
+        layout: ReplayLayout::V034,
+        keep: 40,
+    });
+    for i in 1..100 {
+        rig.drop_live(&chain(i), &mut model);
+    }
+    let last = rig.publish(&chain(100), &mut model).await;
+    let h = rig.wait_applied(last).await;
+    assert_eq!((h.unrecoverable_gaps, h.resets), (0, 0), "{h:?}");
+    assert_eq!(h.batches_applied, 101, "{h:?}");
+    rig.assert_index(&model);
+    // Each round starts at the last batch applied (the overlap that proves the publisher).
+    let starts: Vec<u64> = rig.publisher.replay_log().iter().map(|l| l.start).collect();
+    assert_eq!(starts, vec![0, 39, 78]);
+    rig.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_ends_without_anything_new_leaves_the_gap_unrecoverable() {
+    // Asked again only while rounds move forward: a reply of the overlap alone ends the gap.
+    let mut rig = rig(5_000, true, fast_config()).await;
+    let mut model = Model::default();
+    rig.publish(&chain(0), &mut model).await;
+    rig.wait_applied(0).await;
+    rig.publisher.set_replay_mode(ReplayMode::TailDropped {
+        layout: ReplayLayout::V034,
+        keep: 1,
+    });
+    for i in 1..10 {
+        rig.drop_live(&chain(i), &mut model);
+    }
+    let last = rig.publish(&chain(10), &mut model).await;
+    let h = rig.wait_applied(last).await;
+    assert_eq!((h.unrecoverable_gaps, h.resets), (1, 0), "{h:?}");
+    assert_eq!(h.sync, SyncState::Resynced, "{h:?}");
+    let starts: Vec<u64> = rig.publisher.replay_log().iter().map(|l| l.start).collect();
+    assert_eq!(starts, vec![0]);
+    rig.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_longer_than_the_publishers_send_limit_is_fetched_in_rounds() {
     // vLLM's replay ROUTER keeps libzmq's default send limit (1,000 queued messages) and drops
     // what exceeds it, end marker included: a replay of more batches arrives truncated.
