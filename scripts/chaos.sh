@@ -34,6 +34,8 @@
 #      CHAOS_BUFFER_STEPS  replay buffer per replica (1000000: the whole run, see below)
 #      CHAOS_MAX_RSS_MIB / CHAOS_MAX_FDS  router bounds (512 / 1024)
 #      CHAOS_KEEP        keep the work directory (logs, results) and print its path
+#      CHAOS_ROUTER_LOG  the router's RUST_LOG (info,kinference_events=debug: each replay
+#                        round is logged, and the last of them are printed when a check fails)
 #
 # The replay buffer holds the whole run so that a router restarted late can ask for every batch
 # from sequence 0. The replica's replay ROUTER socket has libzmq's default send high-water mark
@@ -110,7 +112,8 @@ start_router() {
   for i in $(seq 0 $(( N - 1 ))); do
     flags+=(--replica "http://127.0.0.1:$(http_port "$i"),bind=tcp://127.0.0.1:$(events_port "$i"),replay=tcp://127.0.0.1:$(replay_port "$i")")
   done
-  NO_COLOR=1 "$BIN" serve --listen "127.0.0.1:$DATA_PORT" --admin "127.0.0.1:$ADMIN_PORT" \
+  NO_COLOR=1 RUST_LOG=${CHAOS_ROUTER_LOG:-info,kinference_events=debug} \
+    "$BIN" serve --listen "127.0.0.1:$DATA_PORT" --admin "127.0.0.1:$ADMIN_PORT" \
     --model tiny --tokenizer "$TOKENIZER" --block-size 16 --policy precise \
     --expose-endpoint-header --drain-ms 15000 --scrape-interval-ms 500 \
     "${flags[@]}" >>"$WORK/router.out" 2>>"$WORK/router.err" &
@@ -193,7 +196,13 @@ touch "$WORK/stop"
 wait "$SAMPLER_PID" 2>/dev/null || true
 SAMPLER_PID=""
 log "report (replica $SEED_REPLICA runs another hash seed)"
-python3 "$HERE/chaos_client.py" report "$WORK/results.jsonl" "$WORK/chaos.log" \
+if ! python3 "$HERE/chaos_client.py" report "$WORK/results.jsonl" "$WORK/chaos.log" \
   "$WORK/samples.jsonl" "$WORK/settle.json" seed_replica="$SEED_REPLICA" \
   max_rss_mib="${CHAOS_MAX_RSS_MIB:-512}" max_fds="${CHAOS_MAX_FDS:-1024}" \
-  fleet_addrs="$FLEET_ADDRS" grace=3
+  fleet_addrs="$FLEET_ADDRS" grace=3; then
+  # The work directory goes with the run (CI keeps only its output): show what the event
+  # streams did, so that a failure that does not come back can still be read.
+  log "a check failed; the last event-stream warnings and replay rounds (router.err):"
+  grep -E "(WARN|DEBUG) kinference_events::" "$WORK/router.err" | tail -n 60 >&2 || true
+  exit 1
+fi
