@@ -317,8 +317,14 @@ pub struct EventPlaneConfig {
     /// Time for a replay request to reach the publisher's ROUTER (the DEALER dials in the
     /// background; the request waits for the connection).
     pub replay_connect_timeout: Duration,
-    /// Longest wait for the next replay reply message (the whole reply may take longer).
+    /// Longest wait for a replay reply's first message (the whole reply may take longer).
     pub replay_idle_timeout: Duration,
+    /// Longest pause between two messages of a replay reply once it has begun. A publisher
+    /// sends its reply in one loop, and vLLM's ROUTER drops what exceeds its send limit (1,000
+    /// queued messages), end marker included: a pause means the rest of the reply is lost,
+    /// and it is asked for again from the first batch missing. Too short a value costs a
+    /// reply asked for twice, never a batch.
+    pub replay_stall_timeout: Duration,
     /// Upper bound on one whole replay.
     pub replay_total_timeout: Duration,
     /// Replay attempts per gap before it is declared unrecoverable.
@@ -345,6 +351,7 @@ impl Default for EventPlaneConfig {
             replay_buffer_max: 100_000,
             replay_connect_timeout: Duration::from_secs(2),
             replay_idle_timeout: Duration::from_secs(2),
+            replay_stall_timeout: Duration::from_millis(200),
             replay_total_timeout: Duration::from_secs(30),
             replay_attempts: 2,
             backoff: BackoffConfig::default(),
@@ -371,6 +378,7 @@ impl EventPlaneConfig {
         let durations = [
             ("replay_connect_timeout", self.replay_connect_timeout),
             ("replay_idle_timeout", self.replay_idle_timeout),
+            ("replay_stall_timeout", self.replay_stall_timeout),
             ("replay_total_timeout", self.replay_total_timeout),
         ];
         for (name, value) in durations {

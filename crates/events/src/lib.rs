@@ -44,9 +44,11 @@
 //!   messages arriving meanwhile are buffered and handled afterwards. Both reply layouts (0.34
 //!   `[topic, seq, payload]`, 0.11–0.24 `[seq, payload]`) and their end markers are accepted.
 //!   vLLM's ROUTER drops replies past its send limit, so a reply can come back with a hole, a
-//!   lost tail or a lost end marker: a round that moved the stream forward without reaching
-//!   the batch that revealed the gap is asked again from where it stopped, and only rounds
-//!   that bring nothing new count against [`EventPlaneConfig::replay_attempts`].
+//!   lost tail or a lost end marker (a reply that pauses for
+//!   [`EventPlaneConfig::replay_stall_timeout`] after it began is taken as cut short): a round
+//!   that moved the stream forward without reaching the batch that revealed the gap is asked
+//!   again from where it stopped, and only rounds that bring nothing new count against
+//!   [`EventPlaneConfig::replay_attempts`].
 //! - **Unrecoverable gap** (no replay endpoint, timeouts after
 //!   [`EventPlaneConfig::replay_attempts`], or the publisher's buffer no longer holds the start
 //!   of the gap): counted, the worker is cleared, and the stream continues from the oldest

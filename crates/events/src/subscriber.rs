@@ -667,7 +667,8 @@ impl Subscriber {
     }
 }
 
-/// One replay exchange: connect, ask from `from`, collect replies until the end marker.
+/// One replay exchange: connect, ask from `from`, collect replies until the end marker (or
+/// until the reply stalls: see [`EventPlaneConfig::replay_stall_timeout`]).
 async fn fetch_replay(
     endpoint: &str,
     from: u64,
@@ -678,10 +679,13 @@ async fn fetch_replay(
     tokio::time::timeout(plane.replay_connect_timeout, conn.request(from))
         .await
         .map_err(|_| EventsError::Timeout(plane.replay_connect_timeout))??;
+    let mut wait = plane.replay_idle_timeout;
     loop {
-        let frames = tokio::time::timeout(plane.replay_idle_timeout, conn.recv())
+        let frames = tokio::time::timeout(wait, conn.recv())
             .await
-            .map_err(|_| EventsError::Timeout(plane.replay_idle_timeout))??;
+            .map_err(|_| EventsError::Timeout(wait))??;
+        // Once the reply has begun the rest comes back to back, or not at all.
+        wait = plane.replay_stall_timeout;
         match wire::parse_replay(&frames) {
             Ok(ReplayFrame::End) => return Ok(()),
             Ok(ReplayFrame::Batch(m)) => items.push(Ok(m)),

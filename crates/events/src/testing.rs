@@ -36,12 +36,13 @@ pub enum ReplayMode {
     Answer(ReplayLayout),
     /// Reads requests and never answers (a hung or overloaded publisher).
     Silent,
-    /// Answers with only the first `keep` buffered batches and then the end marker: libzmq's
-    /// ROUTER dropped the rest of the reply while its queue to the peer was full, and the
-    /// queue had drained by the time the end marker was sent.
+    /// Answers with only the first `keep` buffered batches: libzmq's ROUTER dropped the rest
+    /// of the reply while its queue to the peer was full. The end marker follows when `end`
+    /// (the queue had drained by the time it was sent), else it is lost too.
     TailDropped {
         layout: ReplayLayout,
         keep: usize,
+        end: bool,
     },
 }
 
@@ -277,9 +278,9 @@ async fn serve_replay(
         };
         let replies = {
             let mut state = state.lock();
-            let (layout, keep) = match state.mode {
-                ReplayMode::Answer(layout) => (layout, usize::MAX),
-                ReplayMode::TailDropped { layout, keep } => (layout, keep),
+            let (layout, keep, end) = match state.mode {
+                ReplayMode::Answer(layout) => (layout, usize::MAX, true),
+                ReplayMode::TailDropped { layout, keep, end } => (layout, keep, end),
                 ReplayMode::Silent => continue,
             };
             let items: Vec<(u64, Vec<u8>)> = state
@@ -291,7 +292,11 @@ async fn serve_replay(
                 .collect();
             let sent = items.iter().map(|(s, _)| *s).collect();
             state.log.push(ReplayLog { start, sent });
-            reply_frames(&state.topic, layout, items)
+            let mut replies = reply_frames(&state.topic, layout, items);
+            if !end {
+                replies.pop();
+            }
+            replies
         };
         for mut reply in replies {
             reply.insert(0, identity.to_vec());

@@ -607,6 +607,7 @@ async fn a_replay_whose_tail_was_dropped_before_its_end_marker_is_asked_again() 
     rig.publisher.set_replay_mode(ReplayMode::TailDropped {
         layout: ReplayLayout::V034,
         keep: 40,
+        end: true,
     });
     for i in 1..100 {
         rig.drop_live(&chain(i), &mut model);
@@ -623,6 +624,37 @@ async fn a_replay_whose_tail_was_dropped_before_its_end_marker_is_asked_again() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_lost_its_tail_and_end_marker_is_asked_again_once_it_stalls() {
+    // The first message may be slow to come (the idle timeout, longer than this test's
+    // wait); a reply that has begun and pauses has lost the rest.
+    let config = EventPlaneConfig {
+        replay_idle_timeout: 2 * WAIT,
+        replay_total_timeout: 4 * WAIT,
+        ..fast_config()
+    };
+    let mut rig = rig(5_000, true, config).await;
+    let mut model = Model::default();
+    rig.publish(&chain(0), &mut model).await;
+    rig.wait_applied(0).await;
+    rig.publisher.set_replay_mode(ReplayMode::TailDropped {
+        layout: ReplayLayout::V034,
+        keep: 40,
+        end: false,
+    });
+    for i in 1..100 {
+        rig.drop_live(&chain(i), &mut model);
+    }
+    let last = rig.publish(&chain(100), &mut model).await;
+    let h = rig.wait_applied(last).await;
+    assert_eq!((h.unrecoverable_gaps, h.resets), (0, 0), "{h:?}");
+    assert_eq!(h.batches_applied, 101, "{h:?}");
+    rig.assert_index(&model);
+    let starts: Vec<u64> = rig.publisher.replay_log().iter().map(|l| l.start).collect();
+    assert_eq!(starts, vec![0, 39, 78]);
+    rig.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_that_ends_without_anything_new_leaves_the_gap_unrecoverable() {
     // Asked again only while rounds move forward: a reply of the overlap alone ends the gap.
     let mut rig = rig(5_000, true, fast_config()).await;
@@ -632,6 +664,7 @@ async fn a_replay_that_ends_without_anything_new_leaves_the_gap_unrecoverable() 
     rig.publisher.set_replay_mode(ReplayMode::TailDropped {
         layout: ReplayLayout::V034,
         keep: 1,
+        end: true,
     });
     for i in 1..10 {
         rig.drop_live(&chain(i), &mut model);
