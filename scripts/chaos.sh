@@ -142,8 +142,10 @@ python3 "$HERE/chaos_client.py" load "http://127.0.0.1:$DATA_PORT" "$WORK/result
 LOAD_PID=$!
 
 # The chaos: one action every PERIOD s until 20 s before the load ends. Actions cycle through
-# kill-and-restart of a replica (random, mid-stream: the load is steady), and every fourth a
-# router restart; the hash-seed flip happens once, a third of the way in.
+# kill-and-restart of a replica (random, mid-stream: the load is steady), and the third of
+# every four a router restart (so that the short form restarts the router early, and replicas
+# are then killed under the restarted router); the hash-seed flip happens once, at the first
+# other action a third of the way in.
 RNG=$SEED
 # rand N: sets R to a number in 0..N-1 (not in a subshell, so the generator advances).
 rand() { RNG=$(( (RNG * 1103515245 + 12345) % 2147483648 )); R=$(( (RNG >> 16) % $1 )); }
@@ -153,7 +155,14 @@ FLIPPED="" ACTION=0 KILLS=0 ROUTER_RESTARTS=0
 sleep "$PERIOD"
 while [ "$(date +%s)" -lt "$CHAOS_END" ] && kill -0 "$LOAD_PID" 2>/dev/null; do
   ACTION=$(( ACTION + 1 ))
-  if [ -z "$FLIPPED" ] && [ "$(date +%s)" -ge "$FLIP_AT" ]; then
+  if [ $(( ACTION % 4 )) -eq 3 ]; then
+    log "router: restart (SIGTERM, drain)"
+    chaos router_down
+    stop "$ROUTER_PID" 30
+    start_router
+    chaos router_up
+    ROUTER_RESTARTS=$(( ROUTER_RESTARTS + 1 ))
+  elif [ -z "$FLIPPED" ] && [ "$(date +%s)" -ge "$FLIP_AT" ]; then
     i=$SEED_REPLICA
     log "replica $i: restart with --hash-seed 4242"
     chaos replica_down "$i"; chaos seed_flip "$i"
@@ -163,13 +172,6 @@ while [ "$(date +%s)" -lt "$CHAOS_END" ] && kill -0 "$LOAD_PID" 2>/dev/null; do
     start_sim "$i"
     chaos replica_up "$i"
     FLIPPED=1
-  elif [ $(( ACTION % 4 )) -eq 0 ]; then
-    log "router: restart (SIGTERM, drain)"
-    chaos router_down
-    stop "$ROUTER_PID" 30
-    start_router
-    chaos router_up
-    ROUTER_RESTARTS=$(( ROUTER_RESTARTS + 1 ))
   else
     rand "$N"; i=$R
     rand 3; down=$(( 1 + R ))

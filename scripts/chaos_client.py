@@ -413,6 +413,8 @@ def report(results_file, chaos_file, samples_file, settle_file, a):
 
     kills = sum(1 for w in windows if w[2] == "replica")
     restarts = sum(1 for w in windows if w[2] == "router")
+    # A soak whose actions ran late must not pass without the restart it is there to test.
+    check("the router was restarted", restarts > 0, f"{restarts} times")
     print(f"chaos: {kills} replica kills/restarts, {restarts} router restarts")
     width = max(len(c[0]) for c in checks)
     print(f"{'check':<{width}}  result  figures")
