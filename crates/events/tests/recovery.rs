@@ -596,29 +596,41 @@ async fn restart_that_continues_at_the_expected_number_is_caught_after_reconnect
     rig.close().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replay_whose_tail_was_dropped_before_its_end_marker_is_asked_again() {
-    // libzmq's ROUTER drops replies while its queue to the peer is full; when the queue has
-    // drained by the time the end marker is sent, the reply ends cleanly but short.
-    let mut rig = rig(5_000, true, fast_config()).await;
+/// A 99-batch gap whose replies hold only `keep` batches each (with their end marker when
+/// `end`); returns the plane's health once it has applied the live batch that revealed it,
+/// and the starts of the replay rounds asked for.
+async fn gap_with_short_replies(
+    config: EventPlaneConfig,
+    keep: usize,
+    end: bool,
+) -> (WorkerHealth, Vec<u64>, Rig, Model) {
+    let mut rig = rig(5_000, true, config).await;
     let mut model = Model::default();
     rig.publish(&chain(0), &mut model).await;
     rig.wait_applied(0).await;
     rig.publisher.set_replay_mode(ReplayMode::TailDropped {
         layout: ReplayLayout::V034,
-        keep: 40,
-        end: true,
+        keep,
+        end,
     });
     for i in 1..100 {
         rig.drop_live(&chain(i), &mut model);
     }
     let last = rig.publish(&chain(100), &mut model).await;
     let h = rig.wait_applied(last).await;
+    let starts = rig.publisher.replay_log().iter().map(|l| l.start).collect();
+    (h, starts, rig, model)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_whose_tail_was_dropped_before_its_end_marker_is_asked_again() {
+    // libzmq's ROUTER drops replies while its queue to the peer is full; when the queue has
+    // drained by the time the end marker is sent, the reply ends cleanly but short.
+    let (h, starts, rig, model) = gap_with_short_replies(fast_config(), 40, true).await;
     assert_eq!((h.unrecoverable_gaps, h.resets), (0, 0), "{h:?}");
     assert_eq!(h.batches_applied, 101, "{h:?}");
     rig.assert_index(&model);
     // Each round starts at the last batch applied (the overlap that proves the publisher).
-    let starts: Vec<u64> = rig.publisher.replay_log().iter().map(|l| l.start).collect();
     assert_eq!(starts, vec![0, 39, 78]);
     rig.close().await;
 }
@@ -632,24 +644,10 @@ async fn a_replay_that_lost_its_tail_and_end_marker_is_asked_again_once_it_stall
         replay_total_timeout: 4 * WAIT,
         ..fast_config()
     };
-    let mut rig = rig(5_000, true, config).await;
-    let mut model = Model::default();
-    rig.publish(&chain(0), &mut model).await;
-    rig.wait_applied(0).await;
-    rig.publisher.set_replay_mode(ReplayMode::TailDropped {
-        layout: ReplayLayout::V034,
-        keep: 40,
-        end: false,
-    });
-    for i in 1..100 {
-        rig.drop_live(&chain(i), &mut model);
-    }
-    let last = rig.publish(&chain(100), &mut model).await;
-    let h = rig.wait_applied(last).await;
+    let (h, starts, rig, model) = gap_with_short_replies(config, 40, false).await;
     assert_eq!((h.unrecoverable_gaps, h.resets), (0, 0), "{h:?}");
     assert_eq!(h.batches_applied, 101, "{h:?}");
     rig.assert_index(&model);
-    let starts: Vec<u64> = rig.publisher.replay_log().iter().map(|l| l.start).collect();
     assert_eq!(starts, vec![0, 39, 78]);
     rig.close().await;
 }
@@ -657,23 +655,9 @@ async fn a_replay_that_lost_its_tail_and_end_marker_is_asked_again_once_it_stall
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replay_that_ends_without_anything_new_leaves_the_gap_unrecoverable() {
     // Asked again only while rounds move forward: a reply of the overlap alone ends the gap.
-    let mut rig = rig(5_000, true, fast_config()).await;
-    let mut model = Model::default();
-    rig.publish(&chain(0), &mut model).await;
-    rig.wait_applied(0).await;
-    rig.publisher.set_replay_mode(ReplayMode::TailDropped {
-        layout: ReplayLayout::V034,
-        keep: 1,
-        end: true,
-    });
-    for i in 1..10 {
-        rig.drop_live(&chain(i), &mut model);
-    }
-    let last = rig.publish(&chain(10), &mut model).await;
-    let h = rig.wait_applied(last).await;
+    let (h, starts, rig, _) = gap_with_short_replies(fast_config(), 1, true).await;
     assert_eq!((h.unrecoverable_gaps, h.resets), (1, 0), "{h:?}");
     assert_eq!(h.sync, SyncState::Resynced, "{h:?}");
-    let starts: Vec<u64> = rig.publisher.replay_log().iter().map(|l| l.start).collect();
     assert_eq!(starts, vec![0]);
     rig.close().await;
 }
