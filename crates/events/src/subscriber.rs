@@ -526,19 +526,14 @@ impl Subscriber {
                     tracing::warn!(worker = ?self.spec.worker, "live buffer full during replay");
                     return Ok(false);
                 }
-                FetchEnd::Complete if progressed => {
+                // Its tail was dropped, with the end marker (a timeout) or without.
+                FetchEnd::Complete | FetchEnd::Failed(_) if progressed => {
                     tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
-                        to = self.seq.replay_start(),
-                        "replay ended short after progress; asking for the rest");
-                    continue;
-                }
-                FetchEnd::Complete => return Ok(false),
-                FetchEnd::Failed(e) if progressed => {
-                    tracing::debug!(worker = ?self.spec.worker, %endpoint, from,
-                        to = self.seq.replay_start(), error = %e,
+                        to = self.seq.replay_start(), ?end,
                         "replay cut short after progress; asking for the rest");
                     continue;
                 }
+                FetchEnd::Complete => return Ok(false),
                 FetchEnd::Failed(e) => {
                     tracing::warn!(worker = ?self.spec.worker, %endpoint, from, attempt,
                         error = %e, "replay failed");
